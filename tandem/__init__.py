@@ -1,0 +1,32 @@
+"""tandem: a training engine for PyTorch models.
+
+It captures one training step (forward, loss, backward) of an ``nn.Module`` as a graph of aten ops,
+plans it (bulking, mirroring) and runs it on a dependency engine, alone or data-parallel on a
+parameter server with priority-based propagation (P3).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Lazy attributes: `import tandem.engine` must not pay for capture machinery and vice versa.
+_LAZY = {
+    "compile": ("tandem.step", "compile"),
+    "TrainStep": ("tandem.step", "TrainStep"),
+    "StepResult": ("tandem.step", "StepResult"),
+    "Trainer": ("tandem.trainer", "Trainer"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module_name, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module_name), attribute)
+    raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+
+
+__all__ = ["compile", "TrainStep", "StepResult", "Trainer", "__version__"]

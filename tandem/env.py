@@ -1,0 +1,89 @@
+"""Every environment knob tandem reads, declared in one place.
+
+Explicit arguments always beat these; an env var only fills in what the caller left unset.
+Read a knob with ``knob("NAME")``; it parses, validates and names the variable in any error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: type  # int, float, str or bool
+    default: Any
+    help: str
+
+
+_KNOBS: dict[str, Knob] = {}
+
+
+def _declare(name: str, kind: type, default: Any, help: str) -> None:
+    _KNOBS[name] = Knob(name, kind, default, help)
+
+
+# engine
+_declare("TANDEM_ENGINE", str, "threaded", "dependency engine: 'threaded' or 'naive' (synchronous, for debugging)")
+_declare("TANDEM_ENGINE_COMPUTE_THREADS", int, 1, "worker threads of the threaded engine's compute pool")
+_declare("TANDEM_ENGINE_IO_THREADS", int, 2, "worker threads of the threaded engine's communication/IO pool")
+_declare("TANDEM_ENGINE_TIMEOUT", float, 300.0, "seconds any engine wait may block before it raises")
+_declare("TANDEM_TRACE", str, "", "write a Chrome/Perfetto trace of every engine op to this path")
+# bulking
+_declare("TANDEM_BULK_TRAIN", bool, True, "bulk training graphs into segments (0: one engine op per node)")
+_declare("TANDEM_BULK_INFERENCE", bool, True, "run inference graphs as one segment (0: bulk like training)")
+_declare("TANDEM_BULK_MAX_NODE_TRAIN", int, 15, "max op nodes per training segment (placeholders do not count)")
+_declare("TANDEM_BULK_MAX_NODE_TRAIN_FWD", int, -1, "forward cap; overrides TANDEM_BULK_MAX_NODE_TRAIN when >= 0")
+_declare("TANDEM_BULK_MAX_NODE_TRAIN_BWD", int, -1, "backward cap; overrides TANDEM_BULK_MAX_NODE_TRAIN when >= 0")
+# mirroring
+_declare("TANDEM_MIRROR", str, "off", "backward mirroring policy: off, all, sqrt, memory-aware, a fraction, or '300MB'")
+# kvstore
+_declare("TANDEM_ROLE", str, "", "role of this process in a distributed job: 'server' or 'worker'")
+_declare("TANDEM_NUM_WORKERS", int, 1, "number of worker processes in the job")
+_declare("TANDEM_NUM_SERVERS", int, 1, "number of server processes in the job")
+_declare("TANDEM_RANK", int, 0, "rank of this process within its role")
+_declare("TANDEM_MASTER_ADDR", str, "127.0.0.1", "address of the rendezvous store (torch TCPStore)")
+_declare("TANDEM_MASTER_PORT", int, 29500, "port of the rendezvous store")
+_declare("TANDEM_BIND_ADDR", str, "127.0.0.1", "address servers bind to; set 0.0.0.0 only on a trusted network")
+_declare("TANDEM_KVSTORE_BIGARRAY_BOUND", int, 1_000_000, "arrays of at least this many elements are split over all servers")
+_declare("TANDEM_KVSTORE_SLICE_THRESHOLD", int, 40_000, "P3 slice size in elements")
+_declare("TANDEM_PS_WATER_MARK", int, 10, "P3: max slices in flight per worker")
+_declare("TANDEM_PS_HEARTBEAT", float, 1.0, "seconds between heartbeats")
+_declare("TANDEM_PS_TIMEOUT", float, 10.0, "seconds without a heartbeat before a peer is declared dead")
+_declare("TANDEM_PS_SECRET", str, "", "shared secret; when set, peers must present it")
+_declare("TANDEM_NUM_THREADS", int, 0, "torch threads per process in multi-process runs (0: cores / processes)")
+
+
+def knob(name: str) -> Any:
+    """The value of a declared knob: the env var parsed to its type, or its default."""
+    spec = _KNOBS.get(name)
+    if spec is None:
+        raise KeyError(f"{name} is not a declared tandem knob; declare it in tandem/env.py")
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return spec.default
+    try:
+        if spec.kind is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return spec.kind(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not a valid {spec.kind.__name__}: {spec.help}"
+        ) from None
+
+
+def is_set(name: str) -> bool:
+    if name not in _KNOBS:
+        raise KeyError(f"{name} is not a declared tandem knob; declare it in tandem/env.py")
+    return os.environ.get(name, "") != ""
+
+
+def all_knobs() -> list[Knob]:
+    return list(_KNOBS.values())
