@@ -53,6 +53,7 @@ _declare("TANDEM_KVSTORE_SLICE_THRESHOLD", int, 40_000, "P3 slice size in elemen
 _declare("TANDEM_PS_WATER_MARK", int, 10, "P3: max slices in flight per worker")
 _declare("TANDEM_PS_HEARTBEAT", float, 1.0, "seconds between heartbeats")
 _declare("TANDEM_PS_TIMEOUT", float, 10.0, "seconds without a heartbeat before a peer is declared dead")
+_declare("TANDEM_PS_WAIT_TIMEOUT", float, 300.0, "seconds a kvstore wait (pull, barrier, init) may block before it raises")
 _declare("TANDEM_PS_SECRET", str, "", "shared secret; when set, peers must present it")
 _declare("TANDEM_NUM_THREADS", int, 0, "torch threads per process in multi-process runs (0: cores / processes)")
 
