@@ -1,0 +1,127 @@
+"""TrainGraph: one training step (forward, loss, backward) as a functional graph of aten ops.
+
+It is a torch.fx Graph plus the bookkeeping tandem needs: which placeholders are parameters,
+buffers and batch inputs, which node is the loss, which nodes are gradients and buffer updates,
+and each node's phase. Passes annotate nodes through ``node.meta`` (keys in ``MetaKey``) and may
+reorder or add nodes; graph order is execution order.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+class Phase:
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class MetaKey:
+    PHASE = "tandem_phase"  # Phase.FORWARD / Phase.BACKWARD
+    SEGMENT = "tandem_segment"  # int: the engine op (segment) this node runs in
+    RECOMPUTE_OF = "tandem_recompute_of"  # name of the forward node this node recomputes
+    MODULE_PATH = "tandem_module_path"  # dotted path of the module that produced this node
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a batch tensor: what a captured graph is specialised to."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(tensor.shape), tensor.dtype, str(tensor.device))
+
+    def __str__(self) -> str:
+        return f"{list(self.shape)}:{str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass
+class TrainGraph:
+    graph: fx.Graph
+    param_names: list[str]  # one placeholder each, in placeholder order
+    buffer_names: list[str]
+    input_specs: list[TensorSpec]
+    loss: fx.Node
+    grads: dict[str, fx.Node]  # parameter name -> gradient node (parameters without gradient absent)
+    buffer_updates: dict[str, fx.Node]  # buffer name -> node holding its new value
+    notes: dict[str, Any] = field(default_factory=dict)  # what passes decided (policy, budgets, ...)
+
+    # -- views ---------------------------------------------------------------------------
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def param_nodes(self) -> dict[str, fx.Node]:
+        return dict(zip(self.param_names, self.placeholders[: len(self.param_names)]))
+
+    @property
+    def buffer_nodes(self) -> dict[str, fx.Node]:
+        start = len(self.param_names)
+        return dict(zip(self.buffer_names, self.placeholders[start : start + len(self.buffer_names)]))
+
+    @property
+    def input_nodes(self) -> list[fx.Node]:
+        return self.placeholders[len(self.param_names) + len(self.buffer_names) :]
+
+    @property
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.graph.nodes) if n.op == "output")
+
+    def op_nodes(self) -> list[fx.Node]:
+        """Nodes that run an op (not placeholders, not the output)."""
+        return [n for n in self.graph.nodes if n.op == "call_function"]
+
+    def phase_of(self, node: fx.Node) -> str:
+        return node.meta.get(MetaKey.PHASE, Phase.FORWARD)
+
+    def outputs(self) -> list[fx.Node]:
+        """The canonical output layout: loss, gradients (param order), buffer updates (buffer order)."""
+        return [self.loss, *self.grads.values(), *self.buffer_updates.values()]
+
+    def set_outputs(self) -> None:
+        """Rewrite the graph's output node to the canonical layout (after a pass replaced nodes)."""
+        self.output_node.args = (tuple(self.outputs()),)
+
+    def clone(self) -> TrainGraph:
+        """A deep copy whose nodes are new objects, so a pass can rewrite it freely."""
+        mapping: dict[fx.Node, fx.Node] = {}
+        graph = fx.Graph()
+        graph.graph_copy(self.graph, mapping)  # copies every node but the output
+        clone = TrainGraph(
+            graph=graph,
+            param_names=list(self.param_names),
+            buffer_names=list(self.buffer_names),
+            input_specs=list(self.input_specs),
+            loss=mapping[self.loss],
+            grads={k: mapping[v] for k, v in self.grads.items()},
+            buffer_updates={k: mapping[v] for k, v in self.buffer_updates.items()},
+            notes=copy.deepcopy(self.notes),
+        )
+        for old, new in mapping.items():
+            new.meta = dict(old.meta)
+        graph.output(tuple(clone.outputs()))
+        return clone
+
+    def summary(self) -> str:
+        ops = self.op_nodes()
+        backward = sum(1 for n in ops if self.phase_of(n) == Phase.BACKWARD)
+        return (
+            f"TrainGraph: {len(self.param_names)} parameters, {len(self.buffer_names)} buffers, "
+            f"{len(self.input_specs)} inputs, {len(ops)} op nodes ({len(ops) - backward} forward, "
+            f"{backward} backward)"
+        )
+
+
+def node_value(node: fx.Node) -> Any:
+    """The fake value tracing recorded for a node (a FakeTensor, a tuple of them, or a scalar)."""
+    return node.meta.get("val")

@@ -1,0 +1,173 @@
+"""tandem.compile: capture a module's training step once, then run it as a planned graph.
+
+    step = tandem.compile(model, loss_fn, x, y)
+    result = step(x, y)          # result.loss, result.grads["fc.weight"], BN stats written back
+    step.memory_report()         # measured peak bytes of live intermediates, saved bytes, ...
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.errors import BatchMismatchError
+from tandem.executor import Executor, GradientHook, MemoryStats
+from tandem.graph.capture import LossFn, capture
+from tandem.graph.train_graph import TensorSpec, TrainGraph
+from tandem.passes.manager import plan
+
+log = logging.getLogger("tandem")
+
+
+@dataclass
+class StepConfig:
+    """Options of tandem.compile / Trainer; explicit values beat the TANDEM_* env knobs."""
+
+    mirror: str | float | None = None  # backward mirroring policy (None: TANDEM_MIRROR, default "off")
+    bulk: bool | None = None  # bulk into segments (None: TANDEM_BULK_TRAIN)
+    bulk_fwd: int | None = None  # forward segment cap (None: TANDEM_BULK_MAX_NODE_TRAIN[_FWD])
+    bulk_bwd: int | None = None  # backward segment cap
+    recapture: bool = True  # a batch of new shapes is captured again (False: raise)
+    max_captures: int = 8  # graphs kept per step before the oldest is dropped
+    measure_memory: bool = False  # measure every step (the first step is always measured)
+
+    def __post_init__(self) -> None:
+        for name in ("bulk_fwd", "bulk_bwd"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative int (0: no cap, whole phase), got {value!r}")
+        if self.max_captures < 1:
+            raise ValueError(f"max_captures must be >= 1, got {self.max_captures}")
+
+    @staticmethod
+    def from_options(options: dict[str, Any]) -> StepConfig:
+        known = {f.name for f in fields(StepConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; valid options: {sorted(known)}")
+        return StepConfig(**options)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # 0-dim
+    grads: dict[str, torch.Tensor]  # parameter name (first name of a tied parameter) -> gradient
+
+
+@dataclass
+class _Compiled:
+    graph: TrainGraph
+    executor: Executor
+    memory: MemoryStats | None = None
+    runs: int = 0
+
+
+@dataclass
+class TrainStep:
+    module: nn.Module
+    loss_fn: LossFn
+    config: StepConfig
+    _compiled: dict[tuple[TensorSpec, ...], _Compiled] = field(default_factory=dict)
+    _last: _Compiled | None = None
+    _hooks: list[GradientHook] = field(default_factory=list)
+
+    # -- public ------------------------------------------------------------------------------
+    def __call__(self, *batch: torch.Tensor) -> StepResult:
+        compiled = self._for_batch(batch)
+        params = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        graph = compiled.graph
+        inputs = [params[n] for n in graph.param_names] + [buffers[n] for n in graph.buffer_names] + list(batch)
+        if compiled.memory is None or self.config.measure_memory:
+            outputs, compiled.memory = compiled.executor.run_measured(inputs)
+        else:
+            outputs = compiled.executor.run(inputs)
+        compiled.runs += 1
+        self._last = compiled
+        return self._unpack(graph, outputs, buffers)
+
+    def memory_report(self) -> dict[str, Any]:
+        """Measured memory of the most recent measured step (the first step is always measured)."""
+        compiled = self._last
+        if compiled is None or compiled.memory is None:
+            raise RuntimeError("memory_report() needs one step first: call step(*batch)")
+        graph, memory = compiled.graph, compiled.memory
+        return {
+            "peak_bytes": memory.peak_bytes,
+            "saved_bytes": memory.saved_bytes,
+            "num_nodes": len(graph.op_nodes()),
+            "num_segments": len(compiled.executor.segments),
+            **graph.notes.get("memory", {}),
+        }
+
+    @property
+    def graph(self) -> TrainGraph:
+        """The planned graph of the most recent step (or the example batch's)."""
+        compiled = self._last or next(iter(self._compiled.values()))
+        return compiled.graph
+
+    @property
+    def executor(self) -> Executor:
+        compiled = self._last or next(iter(self._compiled.values()))
+        return compiled.executor
+
+    def add_gradient_hook(self, hook: GradientHook) -> None:
+        """hook(name, grad) runs when the segment that finishes a parameter's gradient ends."""
+        self._hooks.append(hook)
+        for compiled in self._compiled.values():
+            compiled.executor.hooks = self._hooks
+
+    # -- internals ---------------------------------------------------------------------------
+    def _for_batch(self, batch: Sequence[torch.Tensor]) -> _Compiled:
+        key = tuple(TensorSpec.of(t) if isinstance(t, torch.Tensor) else t for t in batch)
+        compiled = self._compiled.get(key)  # type: ignore[arg-type]
+        if compiled is not None:
+            return compiled
+        if self._compiled and not self.config.recapture:
+            captured = next(iter(self._compiled))
+            raise BatchMismatchError(
+                f"batch {_describe(key)} differs from the captured batch {_describe(captured)}; "
+                "pass batches of the captured shapes (e.g. drop_last=True) or compile with recapture=True"
+            )
+        if self._compiled:
+            log.info("tandem: capturing the step again for batch %s", _describe(key))
+        if len(self._compiled) >= self.config.max_captures:
+            self._compiled.pop(next(iter(self._compiled)))
+        return self._capture(batch, key)  # type: ignore[arg-type]
+
+    def _capture(self, batch: Sequence[torch.Tensor], key: tuple[TensorSpec, ...]) -> _Compiled:
+        graph = plan(capture(self.module, self.loss_fn, batch), self.config)
+        executor = Executor(graph)
+        executor.hooks = self._hooks
+        compiled = self._compiled[key] = _Compiled(graph, executor)
+        return compiled
+
+    def _unpack(self, graph: TrainGraph, outputs: list[Any], buffers: dict[str, torch.Tensor]) -> StepResult:
+        loss = outputs[0]
+        count = len(graph.grads)
+        grads = dict(zip(graph.grads, outputs[1 : 1 + count]))
+        with torch.no_grad():
+            for name, value in zip(graph.buffer_updates, outputs[1 + count :]):
+                buffers[name].copy_(value)  # BatchNorm running stats: written back like eager
+        return StepResult(loss=loss, grads=grads)
+
+
+def _describe(specs: Sequence[Any]) -> str:
+    return "(" + ", ".join(str(s) for s in specs) + ")"
+
+
+def compile(module: nn.Module, loss_fn: LossFn, *example_batch: torch.Tensor, **options: Any) -> TrainStep:
+    """Capture ``loss_fn(module, *example_batch)`` with its backward and return a TrainStep.
+
+    Options: see StepConfig (mirror, bulk, bulk_fwd, bulk_bwd, recapture, max_captures, measure_memory).
+    """
+    config = StepConfig.from_options(options)
+    step = TrainStep(module=module, loss_fn=loss_fn, config=config)
+    step._capture(example_batch, tuple(TensorSpec.of(t) if isinstance(t, torch.Tensor) else t for t in example_batch))  # type: ignore[arg-type]
+    return step
+
