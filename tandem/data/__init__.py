@@ -1,0 +1,10 @@
+"""Data sets for training and testing tandem: real digits, learnable synthetic data, sharding, batching."""
+
+from __future__ import annotations
+
+from tandem.data.batches import Batches, batches
+from tandem.data.digits import digits
+from tandem.data.shard import shard
+from tandem.data.synthetic import synthetic_images, synthetic_tokens
+
+__all__ = ["Batches", "batches", "digits", "shard", "synthetic_images", "synthetic_tokens"]
