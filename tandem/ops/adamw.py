@@ -1,0 +1,44 @@
+"""``multi_adamw_update``: one AdamW step over many parameters (MXNet's ``multi_adamw_update``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from tandem.ops.moments import adam_groups, advance_moments, check_adam_hyperparameters, denominators
+
+
+@torch.no_grad()
+def multi_adamw_update(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """Update params, both moments and the steps in place, equal to ``torch.optim.AdamW(foreach=True)``.
+
+    Lists are aligned by index; ``steps[i]`` is a 0-dim float tensor (torch's ``state['step']``)
+    that is incremented. One foreach call per op per (device, dtype) group. Synchronous on CPU;
+    not thread safe against concurrent users of the same tensors. Empty lists are a no-op.
+    """
+    check_adam_hyperparameters("multi_adamw_update", lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    for group in adam_groups("multi_adamw_update", params, grads, exp_avgs, exp_avg_sqs, steps).values():
+        group_params, group_grads, group_exp_avgs, group_exp_avg_sqs, group_steps = group.columns
+        if weight_decay != 0:
+            # Decoupled weight decay: shrink the weights, leave the gradient alone.
+            torch._foreach_mul_(group_params, 1 - lr * weight_decay)
+        bias_corrections1, bias_corrections2_sqrt = advance_moments(
+            group_steps, group_grads, group_exp_avgs, group_exp_avg_sqs, beta1, beta2
+        )
+        step_sizes = [(lr / correction) * -1 for correction in bias_corrections1]
+        denominator = denominators(group_exp_avg_sqs, bias_corrections2_sqrt, eps)
+        torch._foreach_addcdiv_(group_params, group_exp_avgs, denominator, step_sizes)

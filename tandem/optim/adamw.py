@@ -1,0 +1,19 @@
+"""AdamW (decoupled weight decay), equal to ``torch.optim.AdamW(foreach=True)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tandem.ops.adamw import multi_adamw_update
+from tandem.optim.adam_family import AdamFamily
+
+
+@dataclass
+class AdamW(AdamFamily):
+    name: ClassVar[str] = "adamw"
+    fused_update = staticmethod(multi_adamw_update)
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2

@@ -1,0 +1,57 @@
+"""SGD with momentum, dampening, Nesterov and weight decay, equal to ``torch.optim.SGD``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import Tensor
+
+from tandem.ops.sgd import check_sgd_hyperparameters, multi_sgd_update
+from tandem.optim.optimizer import Optimizer
+
+
+@dataclass
+class SGD(Optimizer):
+    """State: ``{}`` until the first momentum step, then ``{"momentum_buffer": tensor}``.
+
+    The buffer is created by the first update and holds that step's gradient, as torch does, so
+    dampening never applies to the first step. With momentum 0 the state stays empty.
+    """
+
+    name: ClassVar[str] = "sgd"
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    dampening: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_sgd_hyperparameters(
+            "SGD",
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            nesterov=self.nesterov,
+            dampening=self.dampening,
+        )
+
+    def create_state(self, param: Tensor) -> dict[str, Tensor]:
+        return {}
+
+    def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
+        self.check_states(params, grads, states)
+        buffers: list[Tensor | None] = [state.get("momentum_buffer") for state in states] if self.momentum else []
+        multi_sgd_update(
+            params,
+            grads,
+            buffers,
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            nesterov=self.nesterov,
+            dampening=self.dampening,
+        )
+        for state, buffer in zip(states, buffers):
+            if buffer is not None:
+                state["momentum_buffer"] = buffer
