@@ -79,14 +79,20 @@ def test_flags_describe_tiny_instance(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_joint_graph_capture(name: str) -> None:
     entry, model, batch = tiny(name)
-    graph, signature = aot_export_module(LossModule(model, entry), batch, trace_joint=True, output_loss_index=0)
+    graph, signature = aot_export_module(
+        LossModule(model, entry), batch, trace_joint=True, output_loss_index=0
+    )
     assert any(node.op == "call_function" for node in graph.graph.nodes)
     # Every trainable parameter gets a gradient output (tied ones under each alias name).
-    with_grad = {name.removeprefix("inner.") for name in signature.backward_signature.gradients_to_parameters.values()}
+    with_grad = {
+        name.removeprefix("inner.") for name in signature.backward_signature.gradients_to_parameters.values()
+    }
     assert {name for name, _ in model.named_parameters()} <= with_grad
 
 
-@pytest.mark.parametrize(("model", "shared"), [(gpt, ("wte", "lm_head")), (lstm_lm, ("embedding", "decoder"))])
+@pytest.mark.parametrize(
+    ("model", "shared"), [(gpt, ("wte", "lm_head")), (lstm_lm, ("embedding", "decoder"))]
+)
 def test_tied_weights_are_one_parameter(model: Any, shared: tuple[str, str]) -> None:
     instance = model()
     first, second = (getattr(instance, attribute).weight for attribute in shared)
