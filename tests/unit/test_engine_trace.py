@@ -1,0 +1,80 @@
+"""The Chrome/Perfetto trace: valid JSON with complete events, thread names and op metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem import engine
+from tandem.engine import trace
+
+
+def load(path: str) -> list[dict]:
+    document = json.loads(Path(path).read_text())
+    assert set(document) >= {"traceEvents"}
+    return document["traceEvents"]
+
+
+def test_engine_ops_and_custom_events_are_recorded(tmp_path: Path) -> None:
+    eng = engine.ThreadedEngine(compute_threads=1, io_threads=1)
+    x = eng.new_var("x")
+    trace.start(str(tmp_path / "sub" / "trace.json"))
+    assert trace.enabled()
+    eng.push(lambda: None, writes=[x], name="fill", priority=2, segment=7)
+    eng.push(lambda: None, reads=[x], name="send", pool="io")
+    eng.wait_all(timeout=10)
+    start = trace.now_us()
+    trace.record("push key 3", start, start + 5.0, category="kvstore", args={"bytes": 40}, thread="kv-sender")
+    path = trace.stop()
+    assert not trace.enabled()
+    events = load(path)
+    complete = {event["name"]: event for event in events if event["ph"] == "X"}
+    assert set(complete) == {"fill", "send", "push key 3"}
+    fill = complete["fill"]
+    assert fill["pid"] == os.getpid() and fill["dur"] >= 0 and fill["ts"] > 0
+    assert fill["args"] == {"pool": "compute", "priority": 2, "segment": 7, "seq": 0}
+    assert complete["send"]["args"]["pool"] == "io"
+    assert complete["push key 3"]["cat"] == "kvstore" and complete["push key 3"]["args"] == {"bytes": 40}
+    thread_names = {event["tid"]: event["args"]["name"] for event in events if event["name"] == "thread_name"}
+    assert thread_names[fill["tid"]] == "tandem-compute-0"
+    assert thread_names[complete["send"]["tid"]] == "tandem-io-0"
+    assert thread_names[complete["push key 3"]["tid"]] == "kv-sender"
+    eng.shutdown(timeout=10)
+
+
+def test_record_is_a_no_op_when_off_and_stop_needs_start() -> None:
+    assert not trace.enabled()
+    trace.record("ignored", 0.0, 1.0)
+    with pytest.raises(RuntimeError, match="trace.start"):
+        trace.stop()
+    with pytest.raises(ValueError, match="path"):
+        trace.start("")
+
+
+def test_tandem_trace_env_writes_the_file_at_exit(tmp_path: Path) -> None:
+    target = tmp_path / "exit-{pid}.json"
+    program = (
+        "from tandem import engine\n"
+        "e = engine.get_engine()\n"
+        "x = e.new_var('x')\n"
+        "e.push(lambda: None, writes=[x], name='at-exit-op')\n"
+        "e.wait_all()\n"
+    )
+    env = {**os.environ, "TANDEM_TRACE": str(target)}
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    written = list(tmp_path.glob("exit-*.json"))
+    assert len(written) == 1 and "{pid}" not in written[0].name
+    assert [event["name"] for event in load(str(written[0])) if event["ph"] == "X"] == ["at-exit-op"]
