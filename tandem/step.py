@@ -79,8 +79,8 @@ class TrainStep:
     # -- public ------------------------------------------------------------------------------
     def __call__(self, *batch: torch.Tensor) -> StepResult:
         compiled = self._for_batch(batch)
-        params = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        buffers = dict(self.module.named_buffers(remove_duplicate=False))
         graph = compiled.graph
         inputs = [params[n] for n in graph.param_names] + [buffers[n] for n in graph.buffer_names] + list(batch)
         if compiled.memory is None or self.config.measure_memory:

@@ -55,7 +55,7 @@ def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[torch.Tensor]) -
         graph_module, signature = _export(wrapper, batch, frozen=[])
     except _UnusedParameter:  # rare: probe once which parameters no gradient reaches, export again
         graph_module, signature = _export(wrapper, batch, frozen=_unused_parameters(wrapper, batch))
-    return _to_train_graph(graph_module, signature, batch)
+    return _to_train_graph(graph_module, signature, batch, _alias_groups(module))
 
 
 class _UnusedParameter(Exception):
@@ -173,7 +173,8 @@ def _explain(error: Exception, stack: list[str]) -> CaptureError:
 # -- TrainGraph ----------------------------------------------------------------------------
 
 
-def _to_train_graph(graph_module: Any, signature: Any, batch: Sequence[torch.Tensor]) -> TrainGraph:
+def _to_train_graph(graph_module: Any, signature: Any, batch: Sequence[torch.Tensor],
+                    aliases: dict[str, list[str]]) -> TrainGraph:
     graph: fx.Graph = graph_module.graph
     by_name = {n.name: n for n in graph.nodes}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -189,11 +190,38 @@ def _to_train_graph(graph_module: Any, signature: Any, batch: Sequence[torch.Ten
         grads={_strip(p): grads[p] for p in param_names if p in grads},
         buffer_updates={_strip(b): by_name[n] for n, b in signature.buffers_to_mutate.items()},
     )
+    _merge_tied_gradients(train_graph, aliases)
     _drop_detach(graph)
     _record_module_paths(graph)
     train_graph.set_outputs()
     graph.eliminate_dead_code()
     return order_by_phase(train_graph)
+
+
+def _alias_groups(module: nn.Module) -> dict[str, list[str]]:
+    """First name of each tied parameter -> all its names (export feeds each name separately)."""
+    first: dict[int, str] = {}
+    groups: dict[str, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(first.setdefault(id(parameter), name), []).append(name)
+    return {name: names for name, names in groups.items() if len(names) > 1}
+
+
+def _merge_tied_gradients(train_graph: TrainGraph, aliases: dict[str, list[str]]) -> None:
+    """A tied parameter's gradient is the sum of what each of its names received; keep the first name."""
+    grads = train_graph.grads
+    for first, names in aliases.items():
+        parts = [grads.pop(name) for name in names if name in grads]
+        if not parts:
+            continue
+        total = parts[0]
+        for part in parts[1:]:
+            with train_graph.graph.inserting_before(train_graph.output_node):
+                total = train_graph.graph.call_function(torch.ops.aten.add.Tensor, (total, part))
+            total.meta["val"] = parts[0].meta.get("val")
+        grads[first] = total
+    order = [name for name in train_graph.param_names if name in grads]
+    train_graph.grads = {name: grads[name] for name in order}
 
 
 def _strip(name: str) -> str:

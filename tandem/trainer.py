@@ -1,0 +1,227 @@
+"""Trainer: step, fit, evaluate, save/load on top of a captured TrainStep.
+
+    trainer = tandem.Trainer(model, loss_fn, tandem.optim.SGD(lr=0.1, momentum=0.9))
+    trainer.fit(train_set, epochs=3, eval_data=test_set)
+
+The optimizer is an update rule (tandem.optim) applied to all parameters in one fused call; a
+torch.optim.Optimizer bound to the module's parameters works too (gradients go to ``p.grad``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.graph.capture import LossFn
+from tandem.step import StepConfig, StepResult, TrainStep
+from tandem.step import compile as compile_step
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class TrainerConfig:
+    step: StepConfig = field(default_factory=StepConfig)
+    clip_grad_norm: float | None = None  # clip the global gradient norm (one fused op) to this
+    batch_size: int = 64  # fit/evaluate batch size when given a Dataset
+    shuffle: bool = True
+    drop_last: bool = True  # keep one captured shape per epoch
+    seed: int = 0  # data order and initial RNG of fit()
+    progress: bool = True  # tqdm bars in fit()
+    kvstore: str | None = None  # None/"local" or "dist_sync", "dist_async", "dist_p3"
+    update_on_kvstore: bool = True  # the servers run the optimizer (False: pushpull grads, update here)
+
+    def __post_init__(self) -> None:
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0, got {self.clip_grad_norm}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    @staticmethod
+    def from_options(options: dict[str, Any]) -> TrainerConfig:
+        step_names = {f.name for f in fields(StepConfig)}
+        own = {f.name for f in fields(TrainerConfig)} - {"step"}
+        unknown = sorted(set(options) - step_names - own)
+        if unknown:
+            raise TypeError(f"unknown Trainer option(s) {unknown}; valid: {sorted(step_names | own)}")
+        step = StepConfig(**{k: v for k, v in options.items() if k in step_names})
+        return TrainerConfig(step=step, **{k: v for k, v in options.items() if k in own})
+
+
+class Trainer:
+    """Trains ``module`` on ``loss_fn(module, *batch)``. Not thread-safe."""
+
+    def __init__(self, module: nn.Module, loss_fn: LossFn, optimizer: Any, **options: Any) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Trainer needs a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.config = TrainerConfig.from_options(options)
+        self.step_count = 0
+        self.epoch = 0
+        self.grads: dict[str, torch.Tensor] = {}
+        self._train_step: TrainStep | None = None
+        self._states: dict[str, dict[str, torch.Tensor]] = {}
+        self._params = dict(module.named_parameters())
+        self._distributed = _make_distributed(self) if self.config.kvstore not in (None, "local") else None
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, *batch: torch.Tensor) -> float:
+        """One training step: forward, backward, (communicate), update. Returns the loss."""
+        self.module.train()
+        result = self._compiled(batch)(*batch)
+        if self._distributed is not None:
+            self._distributed.after_backward(result)
+        else:
+            self._update(result.grads)
+        self.step_count += 1
+        return float(result.loss)
+
+    def _compiled(self, batch: tuple[torch.Tensor, ...]) -> TrainStep:
+        if self._train_step is None:
+            self._train_step = compile_step(self.module, self.loss_fn, *batch, **vars(self.config.step))
+        return self._train_step
+
+    @property
+    def train_step(self) -> TrainStep:
+        if self._train_step is None:
+            raise RuntimeError("the step is captured on the first Trainer.step(*batch); call it first")
+        return self._train_step
+
+    def _update(self, grads: dict[str, torch.Tensor]) -> None:
+        self.grads = grads
+        names = list(grads)
+        if self.config.clip_grad_norm is not None:
+            from tandem.ops import clip_global_norm
+
+            clip_global_norm([grads[n] for n in names], self.config.clip_grad_norm)
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            for name in names:
+                self._params[name].grad = grads[name]
+            self.optimizer.step()
+            return
+        params = [self._params[n] for n in names]
+        for name, param in zip(names, params):
+            if name not in self._states:
+                self._states[name] = self.optimizer.create_state(param)
+        with torch.no_grad():
+            self.optimizer.update(params, [grads[n] for n in names], [self._states[n] for n in names])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero, in one fused op) the gradients of the last step."""
+        if set_to_none:
+            self.grads = {}
+            return
+        from tandem.ops import reset_arrays
+
+        reset_arrays(list(self.grads.values()))
+
+    # -- loops --------------------------------------------------------------------------------
+    def fit(self, train_data: Any, epochs: int = 1, eval_data: Any = None) -> list[dict[str, float]]:
+        """Train for ``epochs`` over a Dataset (batched here) or an iterable of batches.
+
+        Returns one record per epoch: train loss, samples/s, and eval loss/accuracy when given.
+        """
+        from tqdm.auto import tqdm
+
+        history = []
+        for _ in range(epochs):
+            batches = self._batches(train_data, train=True)
+            bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", disable=not self.config.progress, leave=False)
+            samples, loss_sum, count, start = 0, 0.0, 0, time.perf_counter()
+            for batch in bar:
+                loss = self.step(*batch)
+                samples += len(batch[0])
+                loss_sum, count = loss_sum + loss, count + 1
+                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / (time.perf_counter() - start):.0f}")
+            bar.close()
+            self.epoch += 1
+            elapsed = time.perf_counter() - start
+            record = {"epoch": float(self.epoch), "train_loss": loss_sum / max(count, 1),
+                      "samples_per_s": samples / elapsed if elapsed > 0 else math.nan, "seconds": elapsed}
+            if eval_data is not None:
+                record.update({f"eval_{k}": v for k, v in self.evaluate(eval_data).items()})
+            history.append(record)
+        return history
+
+    def evaluate(self, data: Any) -> dict[str, float]:
+        """Mean loss and accuracy (argmax of the last dim against integer targets) in eval mode."""
+        self.module.eval()
+        loss_sum, correct, total, batches = 0.0, 0, 0, 0
+        with torch.no_grad():
+            for batch in self._batches(data, train=False):
+                loss_sum += float(self.loss_fn(self.module, *batch))
+                batches += 1
+                if len(batch) >= 2 and not batch[-1].is_floating_point():
+                    predictions = self.module(*batch[:-1]).argmax(dim=-1)
+                    correct += int((predictions == batch[-1]).sum())
+                    total += batch[-1].numel()
+        self.module.train()
+        result = {"loss": loss_sum / max(batches, 1)}
+        if total:
+            result["accuracy"] = correct / total
+        return result
+
+    def _batches(self, data: Any, train: bool) -> Iterable[tuple[torch.Tensor, ...]]:
+        if isinstance(data, torch.utils.data.Dataset):
+            from tandem.data import batches
+
+            if self._distributed is not None and train:
+                data = self._distributed.shard(data)
+            return batches(data, self.config.batch_size, shuffle=train and self.config.shuffle,
+                           seed=self.config.seed, epoch=self.epoch, drop_last=train and self.config.drop_last)
+        return data
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        optimizer: dict[str, Any]
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            optimizer = {"torch": self.optimizer.state_dict()}
+        else:
+            optimizer = {"config": self.optimizer.to_config(), "state": self._states}
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "model": self.module.state_dict(),
+            "optimizer": optimizer,
+            "step": self.step_count,
+            "epoch": self.epoch,
+            "rng": torch.get_rng_state(),  # dropout masks continue the same stream after a resume
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"checkpoint format {state.get('format')} is not {CHECKPOINT_FORMAT}; "
+                             "it was written by another tandem version")
+        self.module.load_state_dict(state["model"])
+        optimizer = state["optimizer"]
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            self.optimizer.load_state_dict(optimizer["torch"])
+        else:
+            self._states = {n: {k: v.clone() for k, v in s.items()} for n, s in optimizer["state"].items()}
+            self.optimizer.lr = optimizer["config"].get("lr", self.optimizer.lr)
+        self.step_count, self.epoch = state["step"], state["epoch"]
+        torch.set_rng_state(state["rng"])
+
+    def save(self, path: str) -> None:
+        """Write a checkpoint (model, optimizer state, step, epoch, RNG) that torch.load can read."""
+        torch.save(self.state_dict(), path)
+
+    def load(self, path: str) -> None:
+        """Resume from save(): the run continues the trajectory it would have had without stopping."""
+        self.load_state_dict(torch.load(path, weights_only=True))
+
+
+def _make_distributed(trainer: Trainer) -> Any:
+    from tandem.distributed_trainer import DistributedUpdate
+
+    return DistributedUpdate(trainer)
+
+
+__all__ = ["Trainer", "TrainerConfig", "StepResult"]

@@ -1,0 +1,52 @@
+"""Shared test helpers: eager PyTorch references for tandem's captured steps."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+torch.set_num_threads(1)  # the CI machine has 2 cores; tests stay predictable and do not oversubscribe
+
+
+def eager_step(module: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
+               seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients by plain eager autograd (the reference every graph pass is held to)."""
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = loss_fn(module, *batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def zoo_case(name: str, dtype: torch.dtype = torch.float64, batch_size: int = 4,
+             seed: int = 0) -> tuple[nn.Module, Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]:
+    from tandem.models import ZOO
+
+    entry = ZOO[name]
+    torch.manual_seed(seed)
+    module = entry.build(**entry.tiny).to(dtype)
+    batch = entry.make_batch(batch_size, torch.Generator().manual_seed(seed), dtype=dtype, **entry.tiny)
+    return module, entry.loss_fn, batch
+
+
+def twin(module: nn.Module) -> nn.Module:
+    return copy.deepcopy(module)
+
+
+def assert_same_step(step_result: Any, eager_loss: torch.Tensor, eager_grads: dict[str, torch.Tensor],
+                     rtol: float, atol: float) -> None:
+    torch.testing.assert_close(step_result.loss, eager_loss, rtol=rtol, atol=atol)
+    assert set(step_result.grads) == set(eager_grads), (sorted(step_result.grads), sorted(eager_grads))
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(step_result.grads[name], grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture(params=["mlp", "resnet", "vgg", "lstm_lm", "gpt"])
+def zoo_name(request: pytest.FixtureRequest) -> str:
+    return request.param

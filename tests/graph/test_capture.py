@@ -1,0 +1,143 @@
+"""tandem.compile: structure of the captured graph and its numbers against eager autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tandem
+from tandem.errors import BatchMismatchError, CaptureError
+from tandem.graph.train_graph import MetaKey, Phase
+from tests.conftest import assert_same_step, eager_step, twin, zoo_case
+
+TOLERANCE = {torch.float64: dict(rtol=1e-6, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-5)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_zoo_matches_eager_autograd(zoo_name: str, dtype: torch.dtype) -> None:
+    module, loss_fn, batch = zoo_case(zoo_name, dtype)
+    reference = twin(module)
+    step = tandem.compile(module, loss_fn, *batch)
+    torch.manual_seed(7)  # same seed: dropout draws the same masks in both
+    result = step(*batch)
+    eager_loss, eager_grads = eager_step(reference, loss_fn, batch, seed=7)
+    assert_same_step(result, eager_loss, eager_grads, **TOLERANCE[dtype])
+    for (name, buffer), (_, expected) in zip(module.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_batchnorm_stats_follow_eager_over_steps() -> None:
+    module, loss_fn, batch = zoo_case("resnet")
+    reference = twin(module)
+    step = tandem.compile(module, loss_fn, *batch)
+    for _ in range(3):
+        step(*batch)
+        eager_step(reference, loss_fn, batch)
+    stats = dict(module.named_buffers())
+    for name, expected in reference.named_buffers():
+        torch.testing.assert_close(stats[name], expected, rtol=1e-6, atol=1e-9, msg=name)
+    assert any(name.endswith("num_batches_tracked") and int(v) == 3 for name, v in stats.items())
+
+
+def test_dropout_zero_matches_without_seed() -> None:
+    from tandem.models import ZOO
+
+    entry = ZOO["gpt"]
+    torch.manual_seed(0)
+    module = entry.build(**{**entry.tiny, "dropout": 0.0}).double()
+    batch = entry.make_batch(3, torch.Generator().manual_seed(1), dtype=torch.float64, **entry.tiny)
+    reference = twin(module)
+    result = tandem.compile(module, entry.loss_fn, *batch)(*batch)
+    assert_same_step(result, *eager_step(reference, entry.loss_fn, batch), **TOLERANCE[torch.float64])
+
+
+def test_graph_structure() -> None:
+    module, loss_fn, batch = zoo_case("mlp")
+    graph = tandem.compile(module, loss_fn, *batch).graph
+    assert graph.param_names == [n for n, _ in module.named_parameters()]
+    assert list(graph.grads) == graph.param_names
+    phases = [graph.phase_of(n) for n in graph.op_nodes()]
+    assert phases == sorted(phases, key=lambda p: p == Phase.BACKWARD), "forward nodes come first"
+    assert all(n.target is not torch.ops.aten.detach.default for n in graph.op_nodes())
+    assert graph.phase_of(graph.loss) == Phase.FORWARD
+    assert all(graph.phase_of(g) == Phase.BACKWARD for g in graph.grads.values())
+    assert all(MetaKey.SEGMENT not in n.meta or isinstance(n.meta[MetaKey.SEGMENT], int) for n in graph.op_nodes())
+
+
+def test_tied_parameter_appears_once_under_first_name() -> None:
+    module, loss_fn, batch = zoo_case("lstm_lm")
+    names = [n for n, _ in module.named_parameters()]
+    result = tandem.compile(module, loss_fn, *batch)(*batch)
+    assert list(result.grads) == names
+    assert len(names) == len({id(p) for p in module.parameters()})
+
+
+def test_unused_parameter_has_no_gradient_like_eager() -> None:
+    module = nn.ModuleDict({"used": nn.Linear(4, 2), "unused": nn.Linear(4, 2)})
+    x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
+    result = tandem.compile(module, lambda m, x, y: F.cross_entropy(m["used"](x), y), x, y)(x, y)
+    assert set(result.grads) == {"used.weight", "used.bias"}
+    assert all(p.requires_grad for p in module.parameters()), "capture restores requires_grad"
+
+
+def test_memory_report_is_measured() -> None:
+    module, loss_fn, batch = zoo_case("resnet", torch.float32, batch_size=8)
+    step = tandem.compile(module, loss_fn, *batch)
+    with pytest.raises(RuntimeError, match="one step first"):
+        step.memory_report()
+    step(*batch)
+    report = step.memory_report()
+    assert report["num_nodes"] == len(step.graph.op_nodes())
+    assert 0 < report["saved_bytes"] <= report["peak_bytes"]
+    bigger = tandem.compile(module, loss_fn, *zoo_case("resnet", torch.float32, batch_size=32)[2])
+    bigger(*zoo_case("resnet", torch.float32, batch_size=32)[2])
+    assert bigger.memory_report()["peak_bytes"] > 2 * report["peak_bytes"], "activations scale with the batch"
+
+
+def test_new_batch_shape_is_recaptured_or_refused() -> None:
+    module, loss_fn, batch = zoo_case("mlp")
+    step = tandem.compile(module, loss_fn, *batch)
+    small = tuple(t[:2] for t in batch)
+    assert step(*small).loss.dim() == 0  # recaptured for the new shape
+    strict = tandem.compile(module, loss_fn, *batch, recapture=False)
+    with pytest.raises(BatchMismatchError, match=r"differs from the captured batch.*recapture=True"):
+        strict(*small)
+
+
+def test_loss_must_be_scalar() -> None:
+    module, _, batch = zoo_case("mlp")
+    with pytest.raises(CaptureError, match=r"scalar \(0-dim\) tensor, got shape \[4\]"):
+        tandem.compile(module, lambda m, x, y: F.cross_entropy(m(x), y, reduction="none"), *batch)
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), _Branchy())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+class _Branchy(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum().item() > 0 else x
+
+
+def test_uncapturable_op_names_module_path_and_op() -> None:
+    module = _DataDependent()
+    x = torch.randn(2, 4)
+    with pytest.raises(CaptureError, match=r"module 'inner\.1'.*aten\._local_scalar_dense"):
+        tandem.compile(module, lambda m, x: m(x).sum(), x)
+
+
+def test_bad_arguments_are_named() -> None:
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+        tandem.compile(lambda x: x, lambda m, x: x.sum(), x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['bulk_size'\]"):
+        tandem.compile(nn.Linear(4, 1), lambda m, x: m(x).sum(), x, bulk_size=3)
+    with pytest.raises(TypeError, match="batch element 1 is a int"):
+        tandem.compile(nn.Linear(4, 1), lambda m, x, k: m(x).sum(), x, 3)
