@@ -1,0 +1,38 @@
+"""Key-value stores for data-parallel training: ``local`` (one process) and a parameter server.
+
+``create("local")`` sums per-device values in this process; ``create("dist_sync")`` and
+``create("dist_async")`` join a parameter-server job started by ``tandem launch`` or torchrun
+(see docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.kvstore.base import Handle, KVStore
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, ProtocolError, RemoteError
+from tandem.kvstore.local import LocalKVStore
+
+KINDS = ("local", "dist_sync", "dist_async")
+
+
+def create(kind: str = "local", **options: Any) -> KVStore:
+    """A new store of ``kind``; distributed kinds read their topology from the environment.
+
+    Options of distributed kinds (each defaults to its TANDEM_* knob): ``bigarray_bound``,
+    ``heartbeat``, ``timeout``, ``secret``, ``bind_addr``, ``rendezvous_timeout``, ``exit_on_failure``.
+    In a server process of a distributed job this call serves until the job ends and exits the process.
+    """
+    if kind == "local":
+        if options:
+            raise TypeError(f"the local kvstore takes no options, got {sorted(options)}")
+        return LocalKVStore()
+    if kind in ("dist_sync", "dist_async"):
+        from tandem.kvstore.dist import connect  # imported late: zmq is only needed for distributed runs
+
+        return connect(kind, **options)
+    raise ValueError(f"unknown kvstore kind {kind!r}; choose one of {KINDS}")
+
+
+__all__ = ["KINDS", "Handle", "KVStore", "KVStoreError", "KVStoreTimeout", "LocalKVStore", "PeerFailure",
+           "ProtocolError", "RemoteError", "create"]  # fmt: skip

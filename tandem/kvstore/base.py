@@ -1,0 +1,192 @@
+"""The KVStore API shared by the local and the distributed stores, and the ``Handle`` of async ops.
+
+Semantics follow MXNet's kvstore: ``push`` sends values (a list of values for one key is summed
+first, one per device), ``pull`` copies the stored value out, ``pushpull`` does both in one trip.
+push/pull are asynchronous: they return a ``Handle``; tensors passed to them must not be modified,
+and ``out`` tensors must not be read, until the handle is done.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tandem.env import knob
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
+
+Key = int | str
+Values = torch.Tensor | Sequence[torch.Tensor]
+
+
+class Handle:
+    """Completion of one asynchronous kvstore operation, made of ``parts`` network requests.
+
+    Thread safety: parts complete (``part_done``/``fail``) from the kvstore's IO thread while any
+    thread may call ``wait``/``done``. ``on_complete`` runs once, in the thread finishing the last part.
+    """
+
+    def __init__(self, what: str, parts: int, on_complete: Callable[[], None] | None = None) -> None:
+        self.what = what
+        self._remaining = parts
+        self._on_complete = on_complete
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        if parts == 0:
+            self._finish()
+
+    def part_done(self) -> None:
+        with self._lock:
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._finish()
+
+    def fail(self, error: BaseException) -> None:
+        """Record the first error; the handle is done at once (other parts are ignored)."""
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._error = error
+        self._event.set()
+
+    def _finish(self) -> None:
+        try:
+            if self._on_complete is not None and self._error is None:
+                self._on_complete()
+        except BaseException as error:  # noqa: BLE001 - surfaced to the waiting caller instead
+            self._error = error
+        self._event.set()
+
+    def done(self) -> bool:
+        """True once the operation finished or failed; never blocks."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; raise the operation's error, or ``KVStoreTimeout`` after ``timeout`` seconds.
+
+        ``timeout=None`` means ``TANDEM_PS_WAIT_TIMEOUT`` (300 s): a dead peer is reported sooner by
+        heartbeats, so this only bounds waits on peers that are alive but stuck.
+        """
+        limit = knob("TANDEM_PS_WAIT_TIMEOUT") if timeout is None else timeout
+        if not self._event.wait(limit):
+            raise KVStoreTimeout(f"{self.what} did not finish within {limit:.1f} s (TANDEM_PS_WAIT_TIMEOUT)")
+        if self._error is not None:
+            raise self._error
+
+    @classmethod
+    def completed(cls, what: str) -> Handle:
+        return cls(what, 0)
+
+
+def normalize(keys: Key | Sequence[Key], values: Any, what: str) -> list[tuple[Key, list[torch.Tensor]]]:
+    """Pair every key with its list of tensors (one per device) and check the types, naming the fix."""
+    if not isinstance(keys, Sequence) or isinstance(keys, str):
+        return [(_check_key(keys), _tensor_list(keys, values, what))]
+    keys = list(keys)
+    if not isinstance(values, Sequence) or isinstance(values, torch.Tensor) or len(values) != len(keys):
+        raise KVStoreError(f"{what}: {len(keys)} keys need a list of {len(keys)} values (one per key)")
+    return [(_check_key(key), _tensor_list(key, value, what)) for key, value in zip(keys, values)]
+
+
+def _check_key(key: Any) -> Key:
+    if isinstance(key, bool) or not isinstance(key, int | str):
+        raise KVStoreError(f"kvstore keys are int or str, got {type(key).__name__} {key!r}")
+    return key
+
+
+def _tensor_list(key: Key, value: Any, what: str) -> list[torch.Tensor]:
+    tensors = (
+        [value] if isinstance(value, torch.Tensor) else list(value) if isinstance(value, Sequence) else None
+    )
+    if not tensors or not all(isinstance(tensor, torch.Tensor) for tensor in tensors):
+        raise KVStoreError(
+            f"{what} of key {key!r}: expected a tensor or a non-empty list of tensors, got {value!r}"
+        )
+    first = tensors[0]
+    for tensor in tensors[1:]:
+        if tensor.shape != first.shape or tensor.dtype != first.dtype:
+            raise KVStoreError(
+                f"{what} of key {key!r}: the per-device values differ ({tuple(first.shape)}/{first.dtype} vs "
+                f"{tuple(tensor.shape)}/{tensor.dtype}); pass tensors of one shape and dtype"
+            )
+    return tensors
+
+
+def reduce_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of per-device values as one contiguous CPU tensor (no copy for a single CPU tensor)."""
+    total = tensors[0].detach().to("cpu").contiguous()
+    if len(tensors) > 1:
+        total = total.clone()
+        for tensor in tensors[1:]:
+            total.add_(tensor.detach().to("cpu"))
+    return total
+
+
+class KVStore(ABC):
+    """Key-value store for data-parallel training; see the module docstring for the semantics.
+
+    Thread safety: one thread should drive a store; handles may be waited on from any thread.
+    Collective calls (``init``, ``set_optimizer``, ``barrier``, ``save/load_server_state``) must be
+    made by every worker in the same order.
+    """
+
+    kind: str = "base"
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_workers(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_servers(self) -> int: ...
+
+    @abstractmethod
+    def init(self, keys: Key | Sequence[Key], values: Any) -> None:
+        """Set initial values (collective, blocking); initialising a key twice raises."""
+
+    @abstractmethod
+    def push(self, keys: Key | Sequence[Key], values: Any, priority: int = 0) -> Handle:
+        """Send values (summed per key over devices) to be aggregated; asynchronous."""
+
+    @abstractmethod
+    def pull(self, keys: Key | Sequence[Key], out: Any, priority: int = 0) -> Handle:
+        """Copy the current values into ``out`` (visible after ``wait``); asynchronous."""
+
+    @abstractmethod
+    def pushpull(self, keys: Key | Sequence[Key], values: Any, out: Any = None, priority: int = 0) -> Handle:
+        """Push then pull in one trip; ``out=None`` writes the result into ``values``; asynchronous."""
+
+    @abstractmethod
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Run updates with ``optimizer`` (a ``tandem.optim.Optimizer``) where values are stored (collective)."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Block until every worker reached the barrier (collective)."""
+
+    @abstractmethod
+    def save_server_state(self, path: str) -> None:
+        """Checkpoint stored values and optimizer state under directory ``path`` (collective)."""
+
+    @abstractmethod
+    def load_server_state(self, path: str) -> None:
+        """Restore what ``save_server_state`` wrote (collective); keys must have been ``init``-ed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish outstanding work and release resources; idempotent."""
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,71 @@
+"""Which server holds which part of each key: a small strategy interface and ps-lite's default.
+
+Placement lives in one module so that every worker computes the same plan without talking: a plan
+depends only on the key, its element count and the job's topology. P3's round-robin slicing is a
+second ``Placement`` beside ``RangePlacement``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from tandem.kvstore.dist.protocol import Key
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Elements ``[start, stop)`` of a key's flattened array live on ``server``."""
+
+    server: int
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not (self.server >= 0 and 0 <= self.start <= self.stop):
+            raise ValueError(f"invalid slice: server {self.server}, elements [{self.start}, {self.stop})")
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+class Placement(Protocol):
+    def plan(self, key: Key, numel: int) -> list[Slice]:
+        """The slices of ``key``, in element order, covering ``[0, numel)`` exactly once."""
+        ...
+
+
+def stable_server(key: Key, num_servers: int) -> int:
+    """A server index for ``key`` that every process agrees on (Python's ``hash`` is salted per process)."""
+    if isinstance(key, int):
+        return (key * 9973) % num_servers  # ps-lite's rule for integer keys
+    return zlib.crc32(key.encode("utf-8")) % num_servers
+
+
+@dataclass(frozen=True)
+class RangePlacement:
+    """ps-lite's default: small arrays go whole to one server, big ones split evenly over all.
+
+    Arrays of at least ``bigarray_bound`` elements are cut into ``num_servers`` contiguous parts
+    whose sizes differ by at most one element, so every server carries the same load.
+    """
+
+    num_servers: int
+    bigarray_bound: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 1:
+            raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
+        if self.bigarray_bound < 1:
+            raise ValueError(f"bigarray_bound must be >= 1 (TANDEM_KVSTORE_BIGARRAY_BOUND), got {self.bigarray_bound}")
+
+    def plan(self, key: Key, numel: int) -> list[Slice]:
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        if numel < self.bigarray_bound or self.num_servers == 1:
+            return [Slice(stable_server(key, self.num_servers), 0, numel)]
+        bounds = [numel * part // self.num_servers for part in range(self.num_servers + 1)]
+        slices = [Slice(server, bounds[server], bounds[server + 1]) for server in range(self.num_servers)]
+        return [part for part in slices if part.numel > 0]  # fewer elements than servers: skip empty parts

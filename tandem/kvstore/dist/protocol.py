@@ -1,0 +1,288 @@
+"""Wire format of the parameter server: an explicit, versioned binary header plus raw tensor frames.
+
+Why not pickle: unpickling bytes from the network runs whatever code the sender chose. Every header
+field here is a fixed-width integer or a length-prefixed UTF-8 string, validated on receipt, so a
+hostile or confused peer can at worst get its message rejected.
+
+A message is a ZeroMQ multipart message ``[header, payload_0, ..., payload_{n-1}]``. The header is
+the fixed part ``FIXED`` (little-endian), then ``ndim`` int64 dimensions, then the key's UTF-8
+bytes, then, when the message is signed, a 32-byte HMAC-SHA256 of everything before it computed
+with the shared secret (``TANDEM_PS_SECRET``). Payloads are tensor bytes (sent zero-copy) or, for
+control commands, UTF-8 JSON / text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import struct
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum, IntFlag
+from typing import Any
+
+import torch
+
+from tandem.kvstore.errors import ProtocolError
+
+MAGIC = b"TDKV"
+VERSION = 1
+MAC_BYTES = 32
+MAX_NDIM = 16
+MAX_KEY_BYTES = 1024
+MAX_PAYLOADS = 8
+
+# magic, version, command, flags, request_id, timestamp, sender_role, sender_rank, priority,
+# key_kind, key_len, dtype, ndim, slice_start, slice_stop, payload_count, payload_nbytes
+FIXED = struct.Struct("<4sHBBQdBHiBHBBqqBQ")
+
+Key = int | str
+
+# torch.frombuffer warns on read-only buffers (ZeroMQ frames); we only ever read received tensors
+# or copy them, so the warning is noise on every message.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+class Command(IntEnum):
+    HELLO = 1
+    BYE = 2
+    HEARTBEAT = 3
+    INIT = 4
+    PUSH = 5
+    PULL = 6
+    PUSHPULL = 7
+    SET_OPTIMIZER = 8
+    BARRIER = 9
+    SAVE = 10
+    LOAD = 11
+    ABORT = 12
+
+
+class Flag(IntFlag):
+    RESPONSE = 1
+    ERROR = 2
+    SIGNED = 4
+
+
+class Role(IntEnum):
+    WORKER = 0
+    SERVER = 1
+
+
+class KeyKind(IntEnum):
+    NONE = 0
+    INT = 1
+    STR = 2
+
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.int64: 5,
+    torch.int32: 6,
+    torch.int16: 7,
+    torch.int8: 8,
+    torch.uint8: 9,
+    torch.bool: 10,
+}
+CODE_DTYPES: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+TENSOR_COMMANDS = frozenset({Command.INIT, Command.PUSH, Command.PULL, Command.PUSHPULL})
+
+
+@dataclass(frozen=True)
+class Header:
+    """Everything a message says about itself; ``payload_*`` describe the frames that follow."""
+
+    command: Command
+    request_id: int
+    sender_role: Role
+    sender_rank: int
+    key: Key | None = None
+    priority: int = 0
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+    slice_start: int = 0
+    slice_stop: int = 0
+    response: bool = False
+    error: bool = False
+    payload_count: int = 0
+    payload_nbytes: int = 0
+    timestamp: float = field(default_factory=time.time)
+
+    @property
+    def slice_numel(self) -> int:
+        return self.slice_stop - self.slice_start
+
+    def describe(self) -> str:
+        """A short human description for error messages, e.g. ``push of key 'w' [0, 12)``."""
+        key = "" if self.key is None else f" of key {self.key!r} [{self.slice_start}, {self.slice_stop})"
+        return f"{self.command.name.lower()}{key}"
+
+    def reply(self, role: Role, rank: int, **changes: Any) -> Header:
+        """The response header to this request: same command, id, key and slice."""
+        fields = dict(
+            command=self.command,
+            request_id=self.request_id,
+            sender_role=role,
+            sender_rank=rank,
+            key=self.key,
+            priority=self.priority,
+            dtype=self.dtype,
+            shape=self.shape,
+            slice_start=self.slice_start,
+            slice_stop=self.slice_stop,
+            response=True,
+        )
+        fields.update(changes)
+        return Header(**fields)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Message:
+    header: Header
+    payloads: list[memoryview]
+
+
+def _encode_key(key: Key | None) -> tuple[KeyKind, bytes]:
+    if key is None:
+        return KeyKind.NONE, b""
+    if isinstance(key, bool) or not isinstance(key, int | str):
+        raise TypeError(f"kvstore keys are int or str, got {type(key).__name__} {key!r}")
+    kind, raw = (KeyKind.INT, str(key).encode()) if isinstance(key, int) else (KeyKind.STR, key.encode())
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"kvstore key {key!r} is longer than {MAX_KEY_BYTES} bytes; use a shorter name")
+    return kind, raw
+
+
+def encode_header(header: Header, secret: bytes = b"") -> bytes:
+    """The header frame for ``header``; signed with HMAC-SHA256 when ``secret`` is non-empty."""
+    key_kind, key_bytes = _encode_key(header.key)
+    flags = (Flag.RESPONSE if header.response else 0) | (Flag.ERROR if header.error else 0)
+    flags |= Flag.SIGNED if secret else 0
+    dtype_code = 0 if header.dtype is None else DTYPE_CODES[header.dtype]
+    fixed = FIXED.pack(
+        MAGIC, VERSION, header.command, flags, header.request_id, header.timestamp,
+        header.sender_role, header.sender_rank, header.priority, key_kind, len(key_bytes), dtype_code,
+        len(header.shape), header.slice_start, header.slice_stop, header.payload_count,
+        header.payload_nbytes,
+    )  # fmt: skip
+    body = fixed + struct.pack(f"<{len(header.shape)}q", *header.shape) + key_bytes
+    return body + hmac.digest(secret, body, hashlib.sha256) if secret else body
+
+
+def _check(condition: bool, problem: str) -> None:
+    if not condition:
+        raise ProtocolError(problem)
+
+
+def _enum(kind: type[IntEnum], value: int, what: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ProtocolError(f"unknown {what} code {value}") from None
+
+
+def _decode_key(kind: KeyKind, raw: bytes) -> Key | None:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("key is not valid UTF-8") from None
+    if kind is KeyKind.NONE:
+        _check(not raw, "a key-less message carries key bytes")
+        return None
+    if kind is KeyKind.INT:
+        _check(text.lstrip("-").isdigit(), f"integer key {text!r} is not an integer")
+        return int(text)
+    return text
+
+
+def _verify(frame: bytes, secret: bytes, signed: bool) -> bytes:
+    """``frame`` without its MAC, once the MAC (if any is expected) checks out."""
+    if not secret:
+        _check(not signed, "message is signed but this process has no TANDEM_PS_SECRET; set the same secret everywhere")
+        return frame
+    _check(signed, "unauthenticated message: TANDEM_PS_SECRET is set here but the sender did not sign")
+    _check(len(frame) > MAC_BYTES, "signed header too short")
+    body, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
+    _check(hmac.compare_digest(mac, hmac.digest(secret, body, hashlib.sha256)),
+           "bad message signature: the sender's TANDEM_PS_SECRET differs")  # fmt: skip
+    return body
+
+
+def decode_header(frame: bytes, secret: bytes = b"") -> Header:
+    """Parse and validate a header frame; raises ``ProtocolError`` naming the first problem."""
+    _check(len(frame) >= FIXED.size, f"header of {len(frame)} bytes is shorter than {FIXED.size}")
+    (magic, version, command, flags, request_id, timestamp, role, rank, priority, key_kind, key_len,
+     dtype_code, ndim, start, stop, payload_count, payload_nbytes) = FIXED.unpack_from(frame)  # fmt: skip
+    _check(magic == MAGIC, f"bad magic {magic!r}: not a tandem kvstore message")
+    _check(version == VERSION, f"protocol version {version}, this build speaks {VERSION}: upgrade the older side")
+    _check(flags & ~int(Flag.RESPONSE | Flag.ERROR | Flag.SIGNED) == 0, f"unknown flag bits {flags:#x}")
+    body = _verify(frame, secret, bool(flags & Flag.SIGNED))
+    _check(ndim <= MAX_NDIM, f"{ndim} dimensions, at most {MAX_NDIM} allowed")
+    _check(key_len <= MAX_KEY_BYTES, f"key of {key_len} bytes, at most {MAX_KEY_BYTES} allowed")
+    _check(len(body) == FIXED.size + 8 * ndim + key_len, "header length does not match its ndim and key length")
+    _check(payload_count <= MAX_PAYLOADS, f"{payload_count} payload frames, at most {MAX_PAYLOADS} allowed")
+    shape = struct.unpack_from(f"<{ndim}q", body, FIXED.size)
+    _check(all(size >= 0 for size in shape), f"negative dimension in shape {shape}")
+    key = _decode_key(_enum(KeyKind, key_kind, "key kind"), body[FIXED.size + 8 * ndim :])
+    dtype = None if dtype_code == 0 else _enum_dtype(dtype_code)
+    _check(0 <= start <= stop <= math.prod(shape), f"slice [{start}, {stop}) outside an array of shape {shape}")
+    _check(math.isfinite(timestamp), "timestamp is not finite")
+    return Header(
+        command=_enum(Command, command, "command"), request_id=request_id, sender_role=_enum(Role, role, "role"),
+        sender_rank=rank, key=key, priority=priority, dtype=dtype, shape=tuple(shape), slice_start=start,
+        slice_stop=stop, response=bool(flags & Flag.RESPONSE), error=bool(flags & Flag.ERROR),
+        payload_count=payload_count, payload_nbytes=payload_nbytes, timestamp=timestamp,
+    )  # fmt: skip
+
+
+def _enum_dtype(code: int) -> torch.dtype:
+    dtype = CODE_DTYPES.get(code)
+    if dtype is None:
+        raise ProtocolError(f"unknown dtype code {code}")
+    return dtype
+
+
+def decode(frames: Sequence[Any], secret: bytes = b"") -> Message:
+    """Validate a received multipart message (bytes or zmq.Frame parts) and view its payloads."""
+    _check(len(frames) >= 1, "empty message")
+    header = decode_header(bytes(_view(frames[0])), secret)
+    payloads = [_view(frame) for frame in frames[1:]]
+    _check(len(payloads) == header.payload_count,
+           f"header announces {header.payload_count} payload frames, {len(payloads)} arrived")  # fmt: skip
+    received = sum(payload.nbytes for payload in payloads)
+    _check(received == header.payload_nbytes,
+           f"header announces {header.payload_nbytes} payload bytes, {received} arrived")  # fmt: skip
+    return Message(header, payloads)
+
+
+def _view(frame: Any) -> memoryview:
+    buffer = getattr(frame, "buffer", frame)  # zmq.Frame exposes its bytes as .buffer without a copy
+    return memoryview(buffer).cast("B")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor, for sending as a frame."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("kvstore frames need contiguous CPU tensors; call .contiguous().cpu() first")
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def tensor_from_bytes(payload: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A 1-D tensor viewing ``payload`` without a copy; validates the byte count first."""
+    _check(payload.nbytes == numel * dtype.itemsize,
+           f"payload of {payload.nbytes} bytes does not hold {numel} {dtype} elements")  # fmt: skip
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(payload, dtype=dtype, count=numel)
+
+
+def payload_size(payloads: Sequence[memoryview | bytes]) -> int:
+    return sum(memoryview(payload).nbytes for payload in payloads)

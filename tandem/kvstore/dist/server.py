@@ -1,0 +1,326 @@
+"""A parameter server: holds its slots, merges workers' pushes, answers pulls, watches workers' heartbeats.
+
+One thread runs the whole loop, so slot state needs no locks. Sync mode (ps-lite's ``KVStoreDist``):
+a slot's pushes are queued per worker and merged in rank order once every worker has one queued,
+then the optimizer runs on the sum (or the sum becomes the value); a pull waits until every round
+the puller has pushed into is applied. Async mode applies each push on arrival.
+
+Faults: a malformed or unauthenticated frame is logged and dropped; a bad request (wrong shape,
+key never initialised, double init) gets an error response; a worker silent for ``timeout``
+seconds ends the job: the server tells every other worker (ABORT) and exits nonzero.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
+from tandem.kvstore.dist.topology import DistOptions, Topology, connect_store, publish_server, public_endpoint
+from tandem.kvstore.dist.transport import Incoming, ServerTransport
+from tandem.kvstore.errors import PeerFailure, RemoteError
+from tandem.kvstore.slots import Slot, SlotId, SlotTable
+
+log = logging.getLogger("tandem.kvstore.server")
+
+
+@dataclass
+class _WorkerState:
+    peer: bytes
+    description: str  # "worker 1 (pid 123 on host)", for failure messages
+    last_heard: float
+    gone: bool = False  # said goodbye: silence is expected now
+
+
+@dataclass
+class _Rounds:
+    """Sync-mode bookkeeping for one slot."""
+
+    queued: dict[int, deque[torch.Tensor]] = field(default_factory=dict)  # worker -> pushes not merged yet
+    pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes received in total
+    applied: int = 0
+    waiting_pulls: list[tuple[int, bytes, Header]] = field(default_factory=list)  # (round needed, peer, request)
+
+
+class Server:
+    """Serve until every worker said goodbye (exit code 0) or the job failed (exit code 1)."""
+
+    def __init__(self, topology: Topology, options: DistOptions) -> None:
+        self.topology, self.options = topology, options
+        self.rank = topology.rank
+        self.table = SlotTable(send_timeout=options.timeout)
+        self.transport = ServerTransport(options.secret_bytes, options.bind_addr)
+        self.endpoint = public_endpoint(options.bind_addr, self.transport.port)
+        self.workers: dict[int, _WorkerState] = {}
+        self.rounds: dict[SlotId, _Rounds] = {}
+        self.barrier: dict[int, tuple[bytes, Header]] = {}
+        self.rejected = 0
+        self._handlers: dict[Command, Callable[[bytes, Message], None]] = {
+            Command.HEARTBEAT: lambda peer, message: self._reply(peer, message.header),
+            Command.BYE: self._bye,
+            Command.INIT: self._init,
+            Command.PUSH: self._push,
+            Command.PULL: self._pull,
+            Command.PUSHPULL: self._pushpull,
+            Command.SET_OPTIMIZER: self._set_optimizer,
+            Command.BARRIER: self._barrier,
+            Command.SAVE: self._save,
+            Command.LOAD: self._load,
+            Command.ABORT: self._abort,
+        }
+
+    def serve(self) -> int:
+        """Publish the endpoint, then run the loop; returns the process exit code."""
+        store = connect_store(self.topology, self.options.rendezvous_timeout)
+        publish_server(store, self.rank, self.endpoint)
+        log.info("server %d (%s) serving %s", self.rank, self.endpoint, self.options.kind)
+        started = time.monotonic()
+        try:
+            while not self._finished():
+                for incoming in self.transport.poll(self.options.heartbeat):
+                    self._dispatch(incoming)
+                self._check_workers(started)
+            return 0
+        except PeerFailure as failure:
+            log.error("server %d: %s; stopping the job", self.rank, failure)
+            self._broadcast_abort(str(failure))
+            return 1
+        finally:
+            self.transport.close()
+
+    def _finished(self) -> bool:
+        everyone = len(self.workers) == self.topology.num_workers
+        return everyone and all(worker.gone for worker in self.workers.values())
+
+    def _check_workers(self, started: float) -> None:
+        now = time.monotonic()
+        for worker in self.workers.values():
+            if not worker.gone and now - worker.last_heard > self.options.timeout:
+                raise PeerFailure(f"{worker.description} stopped answering: no heartbeat for {self.options.timeout:.1f} s")
+        if len(self.workers) < self.topology.num_workers and now - started > self.options.rendezvous_timeout:
+            missing = sorted(set(range(self.topology.num_workers)) - set(self.workers))
+            raise PeerFailure(f"worker(s) {missing} never connected within {self.options.rendezvous_timeout:.0f} s")
+
+    def _dispatch(self, incoming: Incoming) -> None:
+        peer, message = incoming.peer, incoming.message
+        if message is None:
+            self._reject(peer, str(incoming.error))
+            return
+        header = message.header
+        if header.response or header.sender_role is not Role.WORKER:
+            self._reject(peer, f"unexpected {header.command.name} {'response' if header.response else 'request'}")
+            return
+        if header.command is Command.HELLO:
+            self._guarded(peer, header, lambda: self._hello(peer, message))
+            return
+        worker = self.workers.get(header.sender_rank)
+        if worker is None or worker.peer != peer:
+            self._reject(peer, f"{header.command.name} from a peer that did not say hello as worker {header.sender_rank}")
+            return
+        worker.last_heard = time.monotonic()
+        self._guarded(peer, header, lambda: self._handlers[header.command](peer, message))
+
+    def _guarded(self, peer: bytes, header: Header, handler: Callable[[], None]) -> None:
+        """Run a handler; a bad request becomes an error response, never a dead server."""
+        try:
+            handler()
+        except RemoteError as error:
+            self._reply_error(peer, header, str(error))
+        except PeerFailure:
+            raise
+        except Exception as error:  # a bug or a hostile request: report it, keep serving
+            log.exception("server %d: %s failed", self.rank, header.describe())
+            self._reply_error(peer, header, f"internal error on server {self.rank}: {type(error).__name__}: {error}")
+
+    def _reject(self, peer: bytes, reason: str) -> None:
+        self.rejected += 1
+        log.warning("server %d rejected a message from peer %s: %s", self.rank, peer.hex()[:16], reason)
+
+    def _reply(self, peer: bytes, request: Header, payloads: list[memoryview] | None = None,
+               slot: Slot | None = None) -> None:  # fmt: skip
+        header = request.reply(Role.SERVER, self.rank)
+        tracker = self.transport.send(peer, header, payloads or [], track=slot is not None)
+        if slot is not None and tracker is not None:
+            slot.readers = [reader for reader in slot.readers if not reader.done] + [tracker]
+
+    def _reply_error(self, peer: bytes, request: Header, text: str) -> None:
+        header = request.reply(Role.SERVER, self.rank, error=True)
+        self.transport.send(peer, header, [memoryview(text.encode("utf-8"))])
+
+    def _hello(self, peer: bytes, message: Message) -> None:
+        header = message.header
+        info = _json_payload(message)
+        expected = {"kind": self.options.kind, "num_workers": self.topology.num_workers,
+                    "num_servers": self.topology.num_servers}  # fmt: skip
+        seen = {name: info.get(name) for name in expected}
+        if seen != expected:
+            raise RemoteError(f"worker {header.sender_rank} runs {seen} but server {self.rank} runs {expected}")
+        if not 0 <= header.sender_rank < self.topology.num_workers:
+            raise RemoteError(f"worker rank {header.sender_rank} is outside [0, {self.topology.num_workers})")
+        known = self.workers.get(header.sender_rank)
+        if known is not None and known.peer != peer:
+            raise RemoteError(f"worker rank {header.sender_rank} is already connected from another process")
+        where = f"pid {info.get('pid')} on {info.get('host')}"
+        self.workers[header.sender_rank] = _WorkerState(peer, f"worker {header.sender_rank} ({where})", time.monotonic())
+        self._reply(peer, header)
+
+    def _bye(self, peer: bytes, message: Message) -> None:
+        self.workers[message.header.sender_rank].gone = True
+        self._reply(peer, message.header)
+
+    def _abort(self, peer: bytes, message: Message) -> None:
+        reason = bytes(message.payloads[0]).decode("utf-8", "replace") if message.payloads else "no reason given"
+        raise PeerFailure(f"worker {message.header.sender_rank} aborted the job: {reason}")
+
+    def _broadcast_abort(self, reason: str) -> None:
+        for rank, worker in self.workers.items():
+            if not worker.gone:
+                header = Header(Command.ABORT, 0, Role.SERVER, self.rank, response=True)
+                self.transport.send(worker.peer, header, [memoryview(f"server {self.rank}: {reason}".encode())])
+                log.info("server %d told worker %d to stop", self.rank, rank)
+
+    def _slot_id(self, header: Header) -> SlotId:
+        assert header.key is not None and header.dtype is not None  # ensured by _tensor_request
+        return (header.key, header.slice_start, header.slice_stop)
+
+    def _tensor_request(self, message: Message) -> tuple[SlotId, torch.Tensor | None]:
+        header = message.header
+        if header.key is None or header.dtype is None:
+            raise RemoteError(f"{header.describe()} needs a key and a dtype")
+        if header.command is Command.PULL:
+            return self._slot_id(header), None
+        if len(message.payloads) != 1:
+            raise RemoteError(f"{header.describe()} needs exactly one payload frame")
+        return self._slot_id(header), tensor_from_bytes(message.payloads[0], header.dtype, header.slice_numel)
+
+    def _init(self, peer: bytes, message: Message) -> None:
+        slot_id, tensor = self._tensor_request(message)
+        assert tensor is not None
+        self.table.init(slot_id, message.header.shape, tensor)
+        self._reply(peer, message.header)
+
+    def _lookup(self, message: Message) -> tuple[SlotId, Slot, torch.Tensor | None]:
+        header = message.header
+        slot_id, tensor = self._tensor_request(message)
+        assert header.dtype is not None
+        return slot_id, self.table.get(slot_id, header.shape, header.dtype, header.command.name.lower()), tensor
+
+    def _push(self, peer: bytes, message: Message) -> None:
+        slot_id, slot, tensor = self._lookup(message)
+        assert tensor is not None
+        self._merge(slot_id, slot, message.header.sender_rank, tensor)
+        self._reply(peer, message.header)
+
+    def _pull(self, peer: bytes, message: Message) -> None:
+        slot_id, slot, _ = self._lookup(message)
+        self._answer_pull(slot_id, slot, peer, message.header)
+
+    def _pushpull(self, peer: bytes, message: Message) -> None:
+        slot_id, slot, tensor = self._lookup(message)
+        assert tensor is not None
+        self._merge(slot_id, slot, message.header.sender_rank, tensor)
+        self._answer_pull(slot_id, self.table.slots[slot_id], peer, message.header)
+
+    def _merge(self, slot_id: SlotId, slot: Slot, worker: int, tensor: torch.Tensor) -> None:
+        if not self.options.sync:
+            self.table.apply(slot, tensor, merged_owned=False)
+            return
+        rounds = self.rounds.setdefault(slot_id, _Rounds())
+        rounds.queued.setdefault(worker, deque()).append(tensor)
+        rounds.pushed[worker] = rounds.pushed.get(worker, 0) + 1
+        workers = range(self.topology.num_workers)
+        while all(rounds.queued.get(rank) for rank in workers):
+            pushes = [rounds.queued[rank].popleft() for rank in workers]  # rank order: deterministic sums
+            merged = pushes[0] if len(pushes) == 1 else _sum(pushes)
+            self.table.apply(slot, merged, merged_owned=len(pushes) > 1)
+            rounds.applied += 1
+        ready = [pull for pull in rounds.waiting_pulls if pull[0] <= rounds.applied]
+        rounds.waiting_pulls = [pull for pull in rounds.waiting_pulls if pull[0] > rounds.applied]
+        for _, peer, request in ready:
+            self._send_value(slot, peer, request)
+
+    def _answer_pull(self, slot_id: SlotId, slot: Slot, peer: bytes, request: Header) -> None:
+        rounds = self.rounds.get(slot_id) if self.options.sync else None
+        needed = 0 if rounds is None else rounds.pushed.get(request.sender_rank, 0)
+        if rounds is not None and rounds.applied < needed:
+            rounds.waiting_pulls.append((needed, peer, request))  # answered when that round is applied
+            return
+        self._send_value(slot, peer, request)
+
+    def _send_value(self, slot: Slot, peer: bytes, request: Header) -> None:
+        self._reply(peer, request, [tensor_bytes(slot.value)], slot=slot)
+
+    def _set_optimizer(self, peer: bytes, message: Message) -> None:
+        self.table.set_optimizer(_text_payload(message))
+        self._reply(peer, message.header)
+
+    def _barrier(self, peer: bytes, message: Message) -> None:
+        self.barrier[message.header.sender_rank] = (peer, message.header)
+        if len(self.barrier) == self.topology.num_workers:
+            arrived, self.barrier = self.barrier, {}
+            for waiting_peer, request in arrived.values():
+                self._reply(waiting_peer, request)
+
+    def _checkpoint_meta(self) -> dict[str, object]:
+        return {"kind": self.options.kind, "num_servers": self.topology.num_servers,
+                "bigarray_bound": self.options.bigarray_bound}  # fmt: skip
+
+    def _checkpoint_name(self) -> str:
+        return f"server-{self.rank}-of-{self.topology.num_servers}.pt"
+
+    def _save(self, peer: bytes, message: Message) -> None:
+        target = self.table.save(_text_payload(message), self._checkpoint_name(), self._checkpoint_meta())
+        self._reply(peer, message.header, [memoryview(target.encode())])
+
+    def _load(self, peer: bytes, message: Message) -> None:
+        self.table.load(_text_payload(message), self._checkpoint_name(), self._checkpoint_meta())
+        self.rounds.clear()  # a restore happens between steps: no round is half-merged
+        self._reply(peer, message.header)
+
+
+def _sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0].clone()
+    for tensor in tensors[1:]:
+        total.add_(tensor)
+    return total
+
+
+def _text_payload(message: Message) -> str:
+    if len(message.payloads) != 1:
+        raise RemoteError(f"{message.header.describe()} needs exactly one payload frame")
+    try:
+        return bytes(message.payloads[0]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise RemoteError(f"{message.header.describe()}: payload is not UTF-8 text") from None
+
+
+def _json_payload(message: Message) -> dict[str, object]:
+    try:
+        value = json.loads(_text_payload(message))
+    except json.JSONDecodeError as error:
+        raise RemoteError(f"{message.header.describe()}: payload is not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise RemoteError(f"{message.header.describe()}: payload must be a JSON object")
+    return value
+
+
+def hello_info(topology: Topology, options: DistOptions) -> dict[str, object]:
+    """What a worker tells each server when it connects (checked against the server's own view)."""
+    return {"kind": options.kind, "num_workers": topology.num_workers, "num_servers": topology.num_servers,
+            "pid": os.getpid(), "host": socket.gethostname()}  # fmt: skip
+
+
+def run_server(topology: Topology | None = None, options: DistOptions | None = None) -> int:
+    """Run this process as a kvstore server (topology and options from the environment by default)."""
+    topology = topology or Topology.from_env()
+    options = options or DistOptions.from_env("dist_sync")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return Server(topology, options).serve()

@@ -1,0 +1,171 @@
+"""Who is who in a distributed job, read from the environment, and the TCPStore rendezvous.
+
+Two sources of topology are understood:
+- ``tandem launch`` sets ``TANDEM_ROLE``, ``TANDEM_RANK``, ``TANDEM_NUM_WORKERS``/``SERVERS`` and
+  ``TANDEM_MASTER_ADDR``/``PORT`` (it hosts the TCPStore there);
+- ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (its agent hosts the
+  store); with ``TANDEM_NUM_SERVERS=S``, ranks ``[0, S)`` are servers and the rest workers.
+Servers publish their ZeroMQ endpoint in the store; workers read every server's endpoint from it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.env import is_set, knob
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
+
+KINDS = ("dist_sync", "dist_async")
+STORE_PREFIX = "tandem/kvstore/"
+
+
+@dataclass(frozen=True)
+class Topology:
+    role: str  # "server" or "worker"
+    rank: int  # within the role
+    num_workers: int
+    num_servers: int
+    master_addr: str
+    master_port: int
+    local_processes: int  # processes sharing this machine's cores
+
+    def __post_init__(self) -> None:
+        if self.role not in ("server", "worker"):
+            raise KVStoreError(f"TANDEM_ROLE must be 'server' or 'worker', got {self.role!r}")
+        if self.num_workers < 1 or self.num_servers < 1:
+            raise KVStoreError(
+                f"a distributed kvstore needs >= 1 worker and >= 1 server, got {self.num_workers} workers and "
+                f"{self.num_servers} servers (TANDEM_NUM_WORKERS / TANDEM_NUM_SERVERS)"
+            )
+        size = self.num_servers if self.role == "server" else self.num_workers
+        if not 0 <= self.rank < size:
+            raise KVStoreError(f"{self.role} rank {self.rank} is outside [0, {size}) (TANDEM_RANK)")
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.rank}"
+
+    @classmethod
+    def from_env(cls) -> Topology:
+        """The topology ``tandem launch`` or ``torchrun`` put in the environment; names the fix if neither did."""
+        if is_set("TANDEM_ROLE"):
+            workers, servers = knob("TANDEM_NUM_WORKERS"), knob("TANDEM_NUM_SERVERS")
+            return cls(knob("TANDEM_ROLE"), knob("TANDEM_RANK"), workers, servers, knob("TANDEM_MASTER_ADDR"),
+                       knob("TANDEM_MASTER_PORT"), workers + servers)  # fmt: skip
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return cls._from_torchrun()
+        raise KVStoreError(
+            "a dist_* kvstore needs a job topology: start the script with `tandem launch -n WORKERS -s SERVERS -- "
+            "python script.py`, or under torchrun with TANDEM_NUM_SERVERS set, or set TANDEM_ROLE and friends"
+        )
+
+    @classmethod
+    def _from_torchrun(cls) -> Topology:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        servers = knob("TANDEM_NUM_SERVERS")
+        if world <= servers:
+            raise KVStoreError(f"torchrun WORLD_SIZE={world} leaves no workers beside TANDEM_NUM_SERVERS={servers}")
+        role, role_rank = ("server", rank) if rank < servers else ("worker", rank - servers)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return cls(role, role_rank, world - servers, servers, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   int(os.environ.get("MASTER_PORT", "29500")), local)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DistOptions:
+    """Settings of a distributed store; ``from_env`` fills unset ones from the TANDEM_* knobs."""
+
+    kind: str
+    bigarray_bound: int
+    heartbeat: float
+    timeout: float
+    secret: str
+    bind_addr: str
+    rendezvous_timeout: float = 120.0  # how long processes wait for each other to start
+    exit_on_failure: bool = True  # hard-exit a worker whose job died even if it never waits again
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise KVStoreError(f"unknown distributed kvstore kind {self.kind!r}; choose one of {KINDS}")
+        if self.bigarray_bound < 1:
+            raise KVStoreError(f"bigarray_bound must be >= 1, got {self.bigarray_bound}")
+        if not 0 < self.heartbeat < self.timeout:
+            raise KVStoreError(
+                f"need 0 < heartbeat ({self.heartbeat}) < timeout ({self.timeout}): TANDEM_PS_HEARTBEAT / TANDEM_PS_TIMEOUT"
+            )
+        if self.rendezvous_timeout <= 0:
+            raise KVStoreError(f"rendezvous_timeout must be > 0, got {self.rendezvous_timeout}")
+
+    @property
+    def sync(self) -> bool:
+        return self.kind == "dist_sync"
+
+    @property
+    def secret_bytes(self) -> bytes:
+        return self.secret.encode("utf-8")
+
+    @classmethod
+    def from_env(cls, kind: str, **overrides: Any) -> DistOptions:
+        unknown = set(overrides) - {"bigarray_bound", "heartbeat", "timeout", "secret", "bind_addr",
+                                    "rendezvous_timeout", "exit_on_failure"}  # fmt: skip
+        if unknown:
+            raise TypeError(f"unknown kvstore option(s) {sorted(unknown)} for kind {kind!r}")
+        values: dict[str, Any] = {
+            "bigarray_bound": knob("TANDEM_KVSTORE_BIGARRAY_BOUND"),
+            "heartbeat": knob("TANDEM_PS_HEARTBEAT"),
+            "timeout": knob("TANDEM_PS_TIMEOUT"),
+            "secret": knob("TANDEM_PS_SECRET"),
+            "bind_addr": knob("TANDEM_BIND_ADDR"),
+        }
+        values.update(overrides)
+        return cls(kind=kind, **values)
+
+
+def set_torch_threads(topology: Topology) -> int:
+    """Give each process its share of the cores (TANDEM_NUM_THREADS overrides), so processes do not thrash."""
+    threads = knob("TANDEM_NUM_THREADS") or max(1, (os.cpu_count() or 1) // max(1, topology.local_processes))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def connect_store(topology: Topology, timeout: float) -> dist.TCPStore:
+    """A client of the job's TCPStore (hosted by ``tandem launch`` or torchrun's agent)."""
+    try:
+        return dist.TCPStore(topology.master_addr, topology.master_port, is_master=False,
+                             timeout=timedelta(seconds=timeout), wait_for_workers=False)  # fmt: skip
+    except Exception as error:  # torch raises RuntimeError/DistNetworkError subclasses here
+        raise KVStoreError(
+            f"cannot reach the rendezvous store at {topology.master_addr}:{topology.master_port} within {timeout:.0f} s "
+            f"({error}); is `tandem launch` (or torchrun) running and TANDEM_MASTER_ADDR/PORT right?"
+        ) from None
+
+
+def public_endpoint(bind_addr: str, port: int) -> str:
+    """The address workers should dial: the bind address, or this host's address for a wildcard bind."""
+    host = socket.gethostbyname(socket.gethostname()) if bind_addr in ("0.0.0.0", "*") else bind_addr
+    return f"tcp://{host}:{port}"
+
+
+def publish_server(store: dist.TCPStore, rank: int, endpoint: str) -> None:
+    store.set(f"{STORE_PREFIX}server/{rank}", endpoint)
+
+
+def server_endpoints(store: dist.TCPStore, num_servers: int, timeout: float) -> list[str]:
+    """Every server's endpoint, waiting up to ``timeout`` seconds for servers to publish them."""
+    keys = [f"{STORE_PREFIX}server/{rank}" for rank in range(num_servers)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        raise KVStoreTimeout(
+            f"server(s) {missing} did not publish an endpoint within {timeout:.0f} s; did they start (`tandem launch "
+            f"-s {num_servers}` or TANDEM_NUM_SERVERS under torchrun)?"
+        ) from None
+    return [store.get(key).decode() for key in keys]

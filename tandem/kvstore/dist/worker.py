@@ -1,0 +1,196 @@
+"""The worker side of ``dist_sync`` / ``dist_async``: plans each key into slices and sends them.
+
+Each push, pull or pushpull becomes one request per slice (``placement``), all completing one
+``Handle``. Pulled slices are copied straight from the received frame into the caller's tensor in
+the IO thread, which is why results are only visible after ``wait``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tandem.kvstore.base import Handle, Key, KVStore, normalize, reduce_sum
+from tandem.kvstore.dist.client import Client
+from tandem.kvstore.dist.placement import Placement, RangePlacement, Slice
+from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
+from tandem.kvstore.dist.server import hello_info
+from tandem.kvstore.dist.topology import DistOptions, Topology, connect_store, server_endpoints
+from tandem.env import knob
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
+from tandem.kvstore.slots import optimizer_to_json
+
+Item = tuple[Key, torch.Tensor, list[torch.Tensor]]  # key, value to send, tensors receiving the result
+
+
+class DistKVStore(KVStore):
+    """A worker's store. Thread safety: drive it from one thread; handles may be waited on anywhere."""
+
+    def __init__(self, topology: Topology, options: DistOptions, placement: Placement | None = None) -> None:
+        self.topology, self.options, self.kind = topology, options, options.kind
+        self.placement = placement or RangePlacement(topology.num_servers, options.bigarray_bound)
+        store = connect_store(topology, options.rendezvous_timeout)
+        self.endpoints = server_endpoints(store, topology.num_servers, options.rendezvous_timeout)
+        self._client = Client(self.endpoints, topology.rank, options)
+        self._initialised: set[Key] = set()
+        self._closed = False
+        try:
+            self._client.hello(hello_info(topology, options))
+        except BaseException:
+            self._client.close(goodbye_timeout=1.0)
+            raise
+        atexit.register(self.close)  # servers finish cleanly even if the script forgets close()
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self.topology.num_workers
+
+    @property
+    def num_servers(self) -> int:
+        return self.topology.num_servers
+
+    def _header(self, command: Command, key: Key, tensor: torch.Tensor, part: Slice, priority: int) -> Header:
+        return Header(command, 0, Role.WORKER, self.rank, key=key, priority=priority, dtype=tensor.dtype,
+                      shape=tuple(tensor.shape), slice_start=part.start, slice_stop=part.stop)  # fmt: skip
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise KVStoreError("this kvstore is closed; create a new one")
+        if self._client.failure is not None:
+            raise self._client.failure
+
+    def _send_tensors(self, command: Command, items: list[Item],
+                      priority: int, what: str) -> Handle:  # fmt: skip
+        """One request per slice of every (key, value to send, tensors receiving the result) item."""
+        self._check_usable()
+        plans = [(key, value, targets, self.placement.plan(key, value.numel())) for key, value, targets in items]
+        finishers: list[Callable[[], None]] = []
+
+        def finish_all() -> None:
+            for finish in finishers:
+                finish()
+
+        handle = Handle(what, sum(len(slices) for *_, slices in plans), finish_all)
+        for key, value, targets, slices in plans:
+            flat = value.reshape(-1)
+            receive, finish = _receiver(targets, value) if targets else (None, None)
+            if finish is not None:
+                finishers.append(finish)
+            for part in slices:
+                payloads = [] if command is Command.PULL else [tensor_bytes(flat[part.start : part.stop])]
+                on_reply = _on_reply(handle, receive, part, value.dtype)
+                self._client.submit(part.server, self._header(command, key, value, part, priority), payloads,
+                                    on_reply, handle.fail)  # fmt: skip
+        return handle
+
+    def init(self, keys: Key | Sequence[Key], values: Any) -> None:
+        items = normalize(keys, values, "init")
+        again = [key for key, _ in items if key in self._initialised]
+        if again:
+            raise KVStoreError(f"init: key(s) {again} are already initialised; init each key once")
+        self._initialised.update(key for key, _ in items)
+        if self.rank == 0:  # one copy is enough; the barrier makes it visible to every worker
+            self._send_tensors(Command.INIT, [(k, reduce_sum(v), []) for k, v in items], 0, "init").wait()
+        self.barrier()
+
+    def push(self, keys: Key | Sequence[Key], values: Any, priority: int = 0) -> Handle:
+        items: list[Item] = [(key, reduce_sum(tensors), []) for key, tensors in normalize(keys, values, "push")]
+        return self._send_tensors(Command.PUSH, items, priority, "push")
+
+    def pull(self, keys: Key | Sequence[Key], out: Any, priority: int = 0) -> Handle:
+        items = [(key, targets[0], targets) for key, targets in normalize(keys, out, "pull")]
+        return self._send_tensors(Command.PULL, items, priority, "pull")
+
+    def pushpull(self, keys: Key | Sequence[Key], values: Any, out: Any = None, priority: int = 0) -> Handle:
+        sent = normalize(keys, values, "pushpull")
+        received = sent if out is None else normalize(keys, out, "pushpull")
+        for (key, tensors), (_, targets) in zip(sent, received):
+            if targets[0].shape != tensors[0].shape or targets[0].dtype != tensors[0].dtype:
+                raise KVStoreError(f"pushpull of key {key!r}: out {tuple(targets[0].shape)} {targets[0].dtype} "
+                                   f"differs from values {tuple(tensors[0].shape)} {tensors[0].dtype}")  # fmt: skip
+        items: list[Item]
+        items = [(key, reduce_sum(tensors), targets) for (key, tensors), (_, targets) in zip(sent, received)]
+        # results must not overwrite what is still being sent: send from a private copy
+        items = [(key, value.clone() if value.data_ptr() == targets[0].data_ptr() else value, targets)
+                 for key, value, targets in items]  # fmt: skip
+        return self._send_tensors(Command.PUSHPULL, items, priority, "pushpull")
+
+    def _broadcast(self, command: Command, text: str, what: str) -> None:
+        """Rank 0 sends a control request to every server and waits; then all workers meet at a barrier."""
+        self._check_usable()
+        if self.rank == 0:
+            for server in range(self.num_servers):
+                header = Header(command, 0, Role.WORKER, self.rank)
+                self._client.call(server, header, [memoryview(text.encode())], self.options.rendezvous_timeout)
+        self.barrier()
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        self._broadcast(Command.SET_OPTIMIZER, optimizer_to_json(optimizer), "set_optimizer")
+
+    def barrier(self) -> None:
+        self._check_usable()
+        handle = Handle("barrier", 1)
+        self._client.submit(0, Header(Command.BARRIER, 0, Role.WORKER, self.rank), [],
+                            lambda message: handle.part_done(), handle.fail)  # fmt: skip
+        handle.wait()
+
+    def _settle(self) -> None:
+        """Wait for this worker's outstanding requests, then for everyone's: no round is half-merged after."""
+        limit = knob("TANDEM_PS_WAIT_TIMEOUT")
+        deadline = time.monotonic() + limit
+        while self._client.outstanding():
+            self._check_usable()
+            if time.monotonic() > deadline:
+                raise KVStoreTimeout(f"outstanding kvstore requests did not finish within {limit:.1f} s")
+            time.sleep(0.002)
+        self.barrier()
+
+    def save_server_state(self, path: str) -> None:
+        self._settle()
+        self._broadcast(Command.SAVE, path, "save_server_state")
+
+    def load_server_state(self, path: str) -> None:
+        self._settle()
+        self._broadcast(Command.LOAD, path, "load_server_state")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._client.close(goodbye_timeout=self.options.timeout)
+
+
+def _receiver(targets: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """Where replies land (the first target when it is contiguous CPU memory) and what copies it onward."""
+    first = targets[0]
+    direct = first.device.type == "cpu" and first.is_contiguous()
+    landing = first if direct else torch.empty(like.shape, dtype=like.dtype)
+    rest = targets[1:] if direct else targets
+    if not rest:
+        return landing.view(-1), None
+
+    def copy_onward() -> None:
+        for target in rest:
+            target.copy_(landing)
+
+    return landing.view(-1), copy_onward
+
+
+def _on_reply(handle: Handle, landing: torch.Tensor | None, part: Slice, dtype: torch.dtype) -> Callable[[Message], None]:
+    def on_reply(message: Message) -> None:
+        if landing is not None:
+            if len(message.payloads) != 1:
+                raise KVStoreError(f"server {part.server} answered without a value payload")
+            landing[part.start : part.stop].copy_(tensor_from_bytes(message.payloads[0], dtype, part.numel))
+        handle.part_done()
+
+    return on_reply

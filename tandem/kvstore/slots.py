@@ -1,0 +1,184 @@
+"""Stored values, their optimizer state and checkpoints: what both the local store and a server hold.
+
+A *slot* is one contiguous part ``[start, stop)`` of a key's flattened array. The local store holds
+one slot per key; a server holds the slots placement gave it. Keeping update and checkpoint logic
+here means the local store and the servers cannot drift apart, which the tests rely on when they
+compare a distributed run against a local one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from tandem.kvstore.errors import KVStoreError, RemoteError
+
+Key = int | str
+SlotId = tuple[Key, int, int]  # key, start, stop
+CHECKPOINT_FORMAT = 1
+
+
+class Waitable(Protocol):
+    """A pending zero-copy send (a ``zmq.MessageTracker``)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+
+@dataclass
+class Slot:
+    shape: tuple[int, ...]  # shape of the whole key, for validating pushes and pulls
+    value: torch.Tensor  # flat: elements [start, stop) of the key
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    owned: bool = True  # False while ``value`` views a received network buffer
+    readers: list[Waitable] = field(default_factory=list)  # zero-copy sends still reading ``value``
+
+
+def optimizer_to_json(optimizer: Any) -> str:
+    """The JSON text of ``optimizer.to_config()`` (a dict, or already a JSON string)."""
+    config = optimizer.to_config()
+    return config if isinstance(config, str) else json.dumps(config)
+
+
+def optimizer_from_json(text: str) -> Any:
+    """Rebuild an optimizer from JSON (never from pickle) with ``tandem.optim.Optimizer.from_config``."""
+    from tandem.optim import Optimizer  # imported late: servers without an optimizer never need it
+
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RemoteError(f"optimizer config is not valid JSON: {error}") from None
+    try:
+        return Optimizer.from_config(config)
+    except (TypeError, ValueError) as error:
+        raise RemoteError(f"cannot rebuild the optimizer from {text!r}: {error}") from None
+
+
+def describe(slot_id: SlotId, shape: tuple[int, ...]) -> str:
+    key, start, stop = slot_id
+    whole = start == 0 and stop == _numel(shape)
+    return f"key {key!r}" + ("" if whole else f" elements [{start}, {stop})")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+class SlotTable:
+    """Slots by id plus the optimizer that updates them.
+
+    Thread safety: none; one thread (the server loop, or the local store's caller) owns a table.
+    """
+
+    def __init__(self, send_timeout: float = 60.0) -> None:
+        self.slots: dict[SlotId, Slot] = {}
+        self.optimizer: Any = None
+        self.optimizer_json = ""
+        self.send_timeout = send_timeout
+
+    def init(self, slot_id: SlotId, shape: tuple[int, ...], value: torch.Tensor) -> None:
+        if slot_id in self.slots:
+            raise RemoteError(f"{describe(slot_id, shape)} is already initialised; init each key once")
+        stored = value.detach().to("cpu").reshape(-1).clone()
+        self.slots[slot_id] = Slot(shape, stored, self._new_state(stored))
+
+    def get(self, slot_id: SlotId, shape: tuple[int, ...], dtype: torch.dtype, action: str) -> Slot:
+        """The slot, after checking that ``action`` addresses it with the initialised shape and dtype."""
+        slot = self.slots.get(slot_id)
+        known = slot or next((other for (key, *_), other in self.slots.items() if key == slot_id[0]), None)
+        if known is None:
+            raise RemoteError(
+                f"{action} of {describe(slot_id, shape)}: key was never initialised; call init first "
+                f"(with the same keys on every worker)"
+            )
+        if slot is None or known.shape != shape or known.value.dtype != dtype:
+            raise RemoteError(
+                f"{action} of key {slot_id[0]!r}: got shape {shape} {dtype}, but the key was "
+                f"initialised as {known.shape} {known.value.dtype}"
+            )
+        return slot
+
+    def set_optimizer(self, optimizer_json: str) -> None:
+        self.optimizer = optimizer_from_json(optimizer_json)
+        self.optimizer_json = optimizer_json
+        for slot in self.slots.values():
+            slot.state = self._new_state(slot.value)
+
+    def set_optimizer_object(self, optimizer: Any) -> None:
+        """Local use: keep the caller's optimizer object itself (no JSON round trip)."""
+        self.optimizer = optimizer
+        self.optimizer_json = optimizer_to_json(optimizer)
+        for slot in self.slots.values():
+            slot.state = self._new_state(slot.value)
+
+    def _new_state(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {} if self.optimizer is None else dict(self.optimizer.create_state(value))
+
+    def apply(self, slot: Slot, merged: torch.Tensor, merged_owned: bool) -> None:
+        """Apply an aggregated push: an optimizer step when one is set, else the value becomes ``merged``.
+
+        Without an optimizer the slot just rebinds to ``merged`` (no copy); network sends still
+        reading the old value keep it alive. With one, the update is in place, so it first waits
+        for those sends to finish.
+        """
+        if self.optimizer is None:
+            slot.value, slot.owned = merged, merged_owned
+            slot.readers.clear()
+            return
+        self._wait_readers(slot)
+        if not slot.owned:
+            slot.value, slot.owned = slot.value.clone(), True
+        self.optimizer.update([slot.value], [merged], [slot.state])
+
+    def _wait_readers(self, slot: Slot) -> None:
+        for reader in slot.readers:
+            reader.wait(self.send_timeout)
+        slot.readers.clear()
+
+    def save(self, path: str, name: str, meta: dict[str, Any]) -> str:
+        """Write every slot, its optimizer state and the optimizer config to ``path/name``."""
+        os.makedirs(path, exist_ok=True)
+        entries = [
+            {"key": key, "start": start, "stop": stop, "shape": list(slot.shape), "value": slot.value,
+             "state": slot.state}
+            for (key, start, stop), slot in self.slots.items()
+        ]  # fmt: skip
+        target = os.path.join(path, name)
+        document = {
+            "format": CHECKPOINT_FORMAT,
+            "meta": meta,
+            "optimizer": self.optimizer_json,
+            "slots": entries,
+        }
+        torch.save(document, target + ".tmp")
+        os.replace(target + ".tmp", target)  # never leave a half-written checkpoint behind
+        return target
+
+    def load(self, path: str, name: str, meta: dict[str, Any]) -> None:
+        """Replace all slots and the optimizer with ``path/name``; ``meta`` must match what was saved."""
+        target = os.path.join(path, name)
+        if not os.path.exists(target):
+            raise KVStoreError(f"no kvstore checkpoint at {target}; save_server_state writes one per server")
+        document = torch.load(target, weights_only=True)  # tensors and plain containers only, no code
+        if document.get("format") != CHECKPOINT_FORMAT or document.get("meta") != meta:
+            raise KVStoreError(
+                f"checkpoint {target} was written by {document.get('meta')} (format {document.get('format')}); "
+                f"this job is {meta}: restore with the same kind and number of servers"
+            )
+        self.optimizer_json = document["optimizer"]
+        self.optimizer = optimizer_from_json(self.optimizer_json) if self.optimizer_json else None
+        self.slots = {
+            (entry["key"], entry["start"], entry["stop"]): Slot(
+                tuple(entry["shape"]), entry["value"], entry["state"]
+            )
+            for entry in document["slots"]
+        }

@@ -1,0 +1,214 @@
+"""``tandem launch -n W -s S -- python train.py``: run a parameter-server job on this machine.
+
+The launcher hosts the rendezvous store (torch's ``TCPStore``), then starts the *same command* S
+times with ``TANDEM_ROLE=server`` and W times with ``TANDEM_ROLE=worker`` (ps-lite style: the
+script's ``tandem.kvstore.create("dist_sync")`` call serves and exits in a server process).
+Every output line is prefixed with its process, e.g. ``[worker 0] loss 0.25``.
+
+The job fails fast: when any process exits nonzero the launcher names it, stops the others
+(SIGTERM, then SIGKILL after ``--grace`` seconds) and exits nonzero. When every worker exits 0 the
+servers finish on their own (each worker says goodbye) and the launcher returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import IO
+
+from tandem.env import knob
+
+PREFIX = "[tandem launch]"
+POLL_SECONDS = 0.05
+
+
+@dataclass
+class _Child:
+    role: str
+    rank: int
+    process: subprocess.Popen[bytes]
+    reader: threading.Thread | None = field(default=None)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.rank}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tandem launch``; ``run`` takes the parsed namespace."""
+    parser.add_argument("-n", "--num-workers", type=int, required=True, help="worker processes")
+    parser.add_argument("-s", "--num-servers", type=int, default=1, help="server processes (default 1)")
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="K=V", help="extra environment for every process"
+    )
+    parser.add_argument(
+        "--master-addr", default=None, help="address of the rendezvous store (TANDEM_MASTER_ADDR)"
+    )
+    parser.add_argument("--master-port", type=int, default=0, help="its port; 0 picks a free one (default)")
+    parser.add_argument(
+        "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping"
+    )
+    parser.add_argument(
+        "--p3", action="store_true", help="reserved: priority-based parameter propagation (not yet)"
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every process runs")
+
+
+def _validate(args: argparse.Namespace) -> list[str]:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise SystemExit(f"{PREFIX} no command: use `tandem launch -n 2 -s 1 -- python train.py`")
+    if args.num_workers < 1 or args.num_servers < 1:
+        raise SystemExit(
+            f"{PREFIX} need -n >= 1 and -s >= 1, got -n {args.num_workers} -s {args.num_servers}"
+        )
+    if args.grace < 0:
+        raise SystemExit(f"{PREFIX} --grace must be >= 0, got {args.grace}")
+    for item in args.env:
+        if "=" not in item or item.startswith("="):
+            raise SystemExit(f"{PREFIX} --env takes NAME=VALUE, got {item!r}")
+    return command
+
+
+def _base_env(args: argparse.Namespace, master_addr: str, master_port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(item.split("=", 1) for item in args.env)
+    processes = args.num_workers + args.num_servers
+    threads = int(env.get("TANDEM_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // processes)
+    env.update(
+        TANDEM_NUM_WORKERS=str(args.num_workers),
+        TANDEM_NUM_SERVERS=str(args.num_servers),
+        TANDEM_MASTER_ADDR=master_addr,
+        TANDEM_MASTER_PORT=str(master_port),
+        TANDEM_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",  # lines reach the prefixer as they are printed
+    )
+    return env
+
+
+def _forward(child: _Child, stream: IO[bytes], lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        with lock:
+            sys.stdout.write(f"[{child.name}] {line}\n")
+            sys.stdout.flush()
+
+
+def _start(role: str, rank: int, command: list[str], env: dict[str, str], lock: threading.Lock) -> _Child:
+    child_env = {**env, "TANDEM_ROLE": role, "TANDEM_RANK": str(rank)}
+    process = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    child = _Child(role, rank, process)
+    assert process.stdout is not None
+    child.reader = threading.Thread(target=_forward, args=(child, process.stdout, lock), daemon=True)
+    child.reader.start()
+    return child
+
+
+def _describe_exit(child: _Child, code: int) -> str:
+    if code < 0:
+        return f"{child.name} (pid {child.process.pid}) was killed by {signal.Signals(-code).name}"
+    return f"{child.name} (pid {child.process.pid}) exited with code {code}"
+
+
+def _signal_group(child: _Child, sig: signal.Signals) -> None:
+    try:
+        os.killpg(child.process.pid, sig)  # the whole session: helpers the script spawned go too
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(children: list[_Child], grace: float) -> None:
+    """SIGTERM every live process group, then SIGKILL whatever is left after ``grace`` seconds."""
+    alive = [child for child in children if child.process.poll() is None]
+    for child in alive:
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(child.process.poll() is None for child in alive) and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
+    for child in alive:
+        _signal_group(child, signal.SIGKILL)
+        child.process.wait(timeout=10)
+    for child in children:
+        if child.reader is not None:
+            child.reader.join(timeout=2)
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code  # shell convention for "killed by signal N"
+
+
+def _supervise(children: list[_Child], grace: float, server_wait: float, lock: threading.Lock) -> int:
+    """Wait for the job: the first failure stops everything; workers all done means success."""
+    workers = [child for child in children if child.role == "worker"]
+    workers_done_at: float | None = None
+    while True:
+        for child in children:
+            code = child.process.poll()
+            if code is not None and code != 0:
+                others = sum(1 for other in children if other is not child and other.process.poll() is None)
+                _say(lock, f"{_describe_exit(child, code)}; stopping the other {others} process(es)")
+                _stop(children, grace)
+                return _exit_code(code)
+        if workers_done_at is None and all(worker.process.poll() == 0 for worker in workers):
+            workers_done_at = time.monotonic()
+        if all(child.process.poll() is not None for child in children):
+            return 0
+        if workers_done_at is not None and time.monotonic() - workers_done_at > server_wait:
+            _say(
+                lock, f"servers still running {server_wait:.0f} s after every worker finished; stopping them"
+            )
+            _stop(children, grace)
+            return 1
+        time.sleep(POLL_SECONDS)
+
+
+def _say(lock: threading.Lock, text: str) -> None:
+    with lock:
+        print(f"{PREFIX} {text}", file=sys.stdout, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job described by ``args``; returns the exit code (0 when every process finished cleanly)."""
+    command = _validate(args)
+    if args.p3:
+        print(f"{PREFIX} --p3 is reserved and has no effect yet", file=sys.stderr)
+    import torch.distributed as dist  # imported late: `tandem --help` should not pay for torch
+
+    master_addr = args.master_addr or knob("TANDEM_MASTER_ADDR")
+    store = dist.TCPStore(master_addr, args.master_port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))  # fmt: skip
+    env = _base_env(args, master_addr, store.port)
+    lock = threading.Lock()
+    children: list[_Child] = []
+    try:
+        for rank in range(args.num_servers):
+            children.append(_start("server", rank, command, env, lock))
+        for rank in range(args.num_workers):
+            children.append(_start("worker", rank, command, env, lock))
+        return _supervise(children, args.grace, server_wait=knob("TANDEM_PS_TIMEOUT") + args.grace, lock=lock)
+    except KeyboardInterrupt:
+        _say(lock, "interrupted; stopping every process")
+        _stop(children, args.grace)
+        return 130
+    finally:
+        del store  # closes the rendezvous store only after every child is gone
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem launch", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

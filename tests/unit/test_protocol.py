@@ -1,0 +1,125 @@
+"""The wire format: round trips, and every malformed header rejected with a named reason."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.kvstore.dist.protocol import (
+    FIXED,
+    Command,
+    Header,
+    Role,
+    decode,
+    decode_header,
+    encode_header,
+    tensor_bytes,
+    tensor_from_bytes,
+)
+from tandem.kvstore.errors import ProtocolError
+
+
+def _push(key: int | str = "w", shape: tuple[int, ...] = (7, 3, 5), **changes: object) -> Header:
+    fields: dict[str, object] = dict(command=Command.PUSH, request_id=42, sender_role=Role.WORKER, sender_rank=1,
+                                     key=key, priority=-3, dtype=torch.float32, shape=shape, slice_start=0,
+                                     slice_stop=105, payload_count=1, payload_nbytes=420)  # fmt: skip
+    fields.update(changes)
+    return Header(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", [0, 17, -5, "layer.0.weight", "ключ"])
+@pytest.mark.parametrize("secret", [b"", b"s3cret"])
+def test_header_round_trip(key: int | str, secret: bytes) -> None:
+    header = _push(key)
+    assert decode_header(encode_header(header, secret), secret) == header
+
+
+def test_message_round_trip_views_tensor_without_copy() -> None:
+    value = torch.arange(105, dtype=torch.float32).reshape(7, 3, 5)
+    frames = [encode_header(_push()), tensor_bytes(value)]
+    message = decode(frames)
+    received = tensor_from_bytes(message.payloads[0], torch.float32, 105)
+    assert torch.equal(received.reshape(7, 3, 5), value)
+    assert received.data_ptr() == value.data_ptr()  # same memory: nothing was copied
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.float64])
+def test_tensor_bytes_any_dtype_and_zero_dim(dtype: torch.dtype) -> None:
+    value = torch.ones((), dtype=dtype)
+    assert torch.equal(tensor_from_bytes(tensor_bytes(value), dtype, 1).reshape(()), value)
+    assert tensor_from_bytes(tensor_bytes(torch.empty(0, dtype=dtype)), dtype, 0).numel() == 0
+
+
+def _corrupt(offset_field: int, value: object) -> bytes:
+    fields = list(FIXED.unpack_from(encode_header(_push(shape=(105,)))))
+    fields[offset_field] = value
+    return FIXED.pack(*fields) + struct.pack("<q", 105) + b"w"
+
+
+@pytest.mark.parametrize(
+    "frame, reason",
+    [
+        (b"", "shorter"),
+        (b"GARBAGE" * 20, "bad magic"),
+        (_corrupt(1, 99), "protocol version 99"),
+        (_corrupt(2, 200), "unknown command"),
+        (_corrupt(3, 0x80), "unknown flag"),
+        (_corrupt(11, 77), "unknown dtype"),
+        (_corrupt(12, 40), "dimensions"),
+        (_corrupt(14, 106), "outside an array"),
+        (_corrupt(9, 9), "unknown key kind"),
+        (_corrupt(10, 5), "header length"),
+    ],
+)
+def test_malformed_headers_are_rejected_with_reason(frame: bytes, reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        decode_header(frame)
+
+
+def test_payload_count_and_size_are_checked() -> None:
+    header = encode_header(_push())
+    with pytest.raises(ProtocolError, match="payload frames"):
+        decode([header])
+    with pytest.raises(ProtocolError, match="payload bytes"):
+        decode([header, b"short"])
+    with pytest.raises(ProtocolError, match="does not hold"):
+        tensor_from_bytes(memoryview(b"abc"), torch.float32, 1)
+
+
+def test_secret_mismatches_are_rejected() -> None:
+    signed = encode_header(_push(), b"right")
+    with pytest.raises(ProtocolError, match="signature"):
+        decode_header(signed, b"wrong")
+    with pytest.raises(ProtocolError, match="unauthenticated"):
+        decode_header(encode_header(_push()), b"right")
+    with pytest.raises(ProtocolError, match="no TANDEM_PS_SECRET"):
+        decode_header(signed)
+    tampered = bytearray(signed)
+    tampered[12] ^= 1  # flip a bit of the request id
+    with pytest.raises(ProtocolError, match="signature"):
+        decode_header(bytes(tampered), b"right")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_never_crash_the_decoder(frame: bytes) -> None:
+    try:
+        decode_header(frame)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, FIXED.size + 20), st.integers(0, 255))
+def test_single_byte_corruption_is_caught_or_harmless(position: int, byte: int) -> None:
+    frame = bytearray(encode_header(_push(shape=(105,))))
+    if position < len(frame):
+        frame[position] = byte
+    try:
+        decode_header(bytes(frame))
+    except ProtocolError:
+        pass
