@@ -85,7 +85,8 @@ def _check_arguments(module: Any, loss_fn: Any, batch: Sequence[Any]) -> None:
 def _export(wrapper: _LossModule, batch: Sequence[torch.Tensor], frozen: list[nn.Parameter]) -> tuple[Any, Any]:
     from torch._functorch.aot_autograd import aot_export_module
 
-    with _module_stack(wrapper) as stack, _frozen(frozen):
+    # fork_rng: tracing draws random numbers (dropout); the user's RNG stream must not move.
+    with _module_stack(wrapper) as stack, _frozen(frozen), torch.random.fork_rng(devices=[]):
         try:
             return aot_export_module(wrapper, tuple(batch), trace_joint=True, output_loss_index=0)
         except CaptureError:

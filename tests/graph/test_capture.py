@@ -141,3 +141,10 @@ def test_bad_arguments_are_named() -> None:
         tandem.compile(nn.Linear(4, 1), lambda m, x: m(x).sum(), x, bulk_size=3)
     with pytest.raises(TypeError, match="batch element 1 is a int"):
         tandem.compile(nn.Linear(4, 1), lambda m, x, k: m(x).sum(), x, 3)
+
+
+def test_capture_leaves_the_rng_stream_alone() -> None:
+    module, loss_fn, batch = zoo_case("gpt", torch.float32)
+    before = torch.get_rng_state()
+    tandem.compile(module, loss_fn, *batch)
+    assert torch.equal(before, torch.get_rng_state()), "compile must not draw from the user's RNG"
