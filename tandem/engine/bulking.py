@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from tandem.engine.op import check_push, normalize_access
@@ -29,33 +30,34 @@ class _Local(threading.local):
 local = _Local()
 
 
-def _run_group(functions: list[Callable[[], None]], names: list[str], label: str) -> None:
-    for index, function in enumerate(functions):
+_Item = tuple[Callable[[], None], str, tuple[Var, ...], tuple[Var, ...]]  # fn, name, reads, writes
+
+
+def _run_group(items: list[_Item], label: str) -> None:
+    for index, (function, name, _, _) in enumerate(items):
         try:
             function()
         except BaseException as exc:
-            exc.add_note(f"raised by op {names[index]!r} ({index + 1} of {len(functions)}) inside {label}")
+            exc.add_note(f"raised by op {name!r} ({index + 1} of {len(items)}) inside {label}")
             raise
 
 
 class BulkCollector:
-    """The pending group of one thread. Not thread-safe: it lives in a thread-local."""
+    """The pending group of one thread. Not thread-safe: it lives in a thread-local.
 
-    __slots__ = ("size", "engine", "pool", "functions", "names", "reads", "writes", "priority", "segment")
+    add() appends one tuple (the var unions are built once, at flush) so that a bulked push costs a
+    fraction of an engine op.
+    """
+
+    __slots__ = ("size", "engine", "pool", "items", "priority", "segment")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.engine: Engine | None = None
         self.pool = "compute"
-        self._reset()
-
-    def _reset(self) -> None:
-        self.functions: list[Callable[[], None]] = []
-        self.names: list[str] = []
-        self.reads: dict[Var, None] = {}
-        self.writes: dict[Var, None] = {}
-        self.priority = 0
-        self.segment: int | None = None
+        self.items: list[_Item] = []
+        self.priority: int | None = None  # the highest priority in the group
+        self.segment: int | None = None  # the first segment named in the group
 
     def add(
         self,
@@ -68,33 +70,50 @@ class BulkCollector:
         pool: str,
         segment: int | None,
     ) -> None:
-        check_push(fn, pool, priority)
-        reads, writes = normalize_access(reads, writes)  # validate now, where the caller can see it
-        if self.functions and (engine is not self.engine or pool != self.pool):
-            self.flush()  # one group runs on one engine and one pool
-        if not self.functions:
-            self.engine, self.pool, self.priority, self.segment = engine, pool, priority, segment
-        self.functions.append(fn)
-        self.names.append(name)
-        self.reads.update(dict.fromkeys(reads))
-        self.writes.update(dict.fromkeys(writes))
-        self.priority = max(self.priority, priority)
-        if len(self.functions) >= self.size:
+        # Validate now, where the caller can see the mistake, with the engines' fast path for (var,).
+        if reads or writes.__class__ is not tuple or len(writes) != 1 or writes[0].__class__ is not Var:  # type: ignore[attr-defined]
+            reads, writes = normalize_access(reads, writes)
+        if (
+            engine is not self.engine
+            or pool != self.pool
+            or priority.__class__ is not int
+            or not callable(fn)
+        ):
+            check_push(fn, pool, priority)
+            if self.items:
+                self.flush()  # one group runs on one engine and one pool
+            self.engine, self.pool = engine, pool
+        if self.priority is None or priority > self.priority:
+            self.priority = priority
+        if self.segment is None:
+            self.segment = segment
+        items = self.items
+        items.append((fn, name, reads, writes))  # type: ignore[arg-type]
+        if len(items) >= self.size:
             self.flush()
 
     def flush(self) -> None:
         """Push the collected group as one op (no-op when empty)."""
-        if not self.functions or self.engine is None:
+        items, engine = self.items, self.engine
+        if not items or engine is None:
             return
-        label = f"ImperativeBulk[{len(self.functions)} ops]"
-        writes = tuple(self.writes)
-        reads = tuple(var for var in self.reads if var not in self.writes)
-        group = partial(_run_group, self.functions, self.names, label)
-        engine, pool, priority, segment = self.engine, self.pool, self.priority, self.segment
-        self._reset()
+        priority, segment = self.priority or 0, self.segment
+        self.items, self.priority, self.segment = [], None, None
+        write_set = dict.fromkeys(chain.from_iterable([item[3] for item in items]))
+        read_set = dict.fromkeys(chain.from_iterable([item[2] for item in items]))
+        label = f"ImperativeBulk[{len(items)} ops]"
+        reads_only = tuple(var for var in read_set if var not in write_set)
         saved, local.collector = local.collector, None  # the group itself must reach the engine
         try:
-            engine.push(group, reads, writes, priority, label, pool, segment)
+            engine.push(
+                partial(_run_group, items, label),
+                reads_only,
+                tuple(write_set),
+                priority,
+                label,
+                self.pool,
+                segment,
+            )
         finally:
             local.collector = saved
 

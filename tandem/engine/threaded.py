@@ -37,7 +37,9 @@ class ThreadedEngineConfig:
         for field in ("compute_threads", "io_threads"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} (argument or TANDEM_ENGINE_{field.split('_')[0].upper()}_THREADS) must be an int >= 1, got {value!r}")
+                raise ValueError(
+                    f"{field} (argument or TANDEM_ENGINE_{field.split('_')[0].upper()}_THREADS) must be an int >= 1, got {value!r}"
+                )
 
     @classmethod
     def resolve(
@@ -72,8 +74,11 @@ class ThreadedEngine(Engine):
         super().__init__()
         self.config = ThreadedEngineConfig.resolve(compute_threads, io_threads)
         self._lock = threading.Lock()
-        self._done = threading.Condition(self._lock)  # notified on completions while someone waits
-        self._waiters = 0
+        # Waiters are woken only when what they wait for is done: a wake-up per completion would make
+        # the waiting thread fight the workers for the GIL (torch ops release it) and triple op costs.
+        self._done = threading.Condition(self._lock)
+        self._all_waiters = 0  # threads in wait_all()
+        self._var_targets: dict[Var, list[int]] = {}  # var -> the version each wait(var) needs
         self._outstanding = 0  # pushed ops not finished yet
         self._stopping = False
         self._next_seq = itertools.count().__next__
@@ -174,8 +179,12 @@ class ThreadedEngine(Engine):
             var.version += 1
             if var._queue:
                 self._grant_queued(var)
+            if self._var_targets:
+                targets = self._var_targets.get(var)
+                if targets and var.version >= min(targets):
+                    self._done.notify_all()
         self._outstanding -= 1
-        if self._waiters:
+        if not self._outstanding and self._all_waiters:
             self._done.notify_all()
 
     def _start_workers(self, worker_pool: _WorkerPool) -> None:
@@ -217,11 +226,7 @@ class ThreadedEngine(Engine):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise EngineTimeout(describe())
-        self._waiters += 1
-        try:
-            self._done.wait(remaining)
-        finally:
-            self._waiters -= 1
+        self._done.wait(remaining)
 
     def _describe_pending(self) -> str:
         running = [
@@ -254,8 +259,16 @@ class ThreadedEngine(Engine):
 
         with self._lock:
             target = var._writes_pushed
-            while var.version < target:
-                self._block(deadline, describe)
+            if var.version < target:
+                targets = self._var_targets.setdefault(var, [])
+                targets.append(target)
+                try:
+                    while var.version < target:
+                        self._block(deadline, describe)
+                finally:
+                    targets.remove(target)
+                    if not targets:
+                        del self._var_targets[var]
             error = self._take_var_failure(var)
         if error is not None:
             raise error
@@ -270,8 +283,12 @@ class ThreadedEngine(Engine):
             return f"wait_all timed out after {limit} s: {self._describe_pending()}"
 
         with self._lock:
-            while self._outstanding:
-                self._block(deadline, describe)
+            self._all_waiters += 1
+            try:
+                while self._outstanding:
+                    self._block(deadline, describe)
+            finally:
+                self._all_waiters -= 1
             error = self._take_first_failure()
         if error is not None:
             raise error
