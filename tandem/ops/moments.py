@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from tandem.ops.scalars import check_number
+from tandem.ops.scalars import check_flag, check_number
 from tandem.ops.tensor_lists import Group, GroupKey, group_by_device_and_dtype
 
 # One CPU tensor reused for every increment: torch wraps a Python 1 into a new tensor per CPU step.
@@ -21,8 +21,9 @@ _ONE = torch.tensor(1.0)
 
 
 def check_adam_hyperparameters(
-    op: str, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+    op: str, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, fused: bool = False
 ) -> None:
+    check_flag(op, "fused", fused)
     check_number(op, "lr", lr, lambda value: value >= 0, ">= 0")
     check_number(op, "beta1", beta1, lambda value: 0 <= value < 1, "in [0, 1)")
     check_number(op, "beta2", beta2, lambda value: 0 <= value < 1, "in [0, 1)")
@@ -50,11 +51,22 @@ def _step_values(steps: list[Tensor]) -> list[float]:
     return [step.item() for step in steps]
 
 
+def increment_steps(steps: list[Tensor]) -> None:
+    torch._foreach_add_(steps, _ONE, alpha=1.0)
+
+
+def steps_on(device: torch.device, steps: list[Tensor]) -> list[Tensor]:
+    """The steps as tensors on ``device`` (torch's fused kernels read them there), one copy for all."""
+    if all(step.device == device for step in steps):
+        return steps
+    return list(torch.stack([step.to(device) for step in steps]).unbind())
+
+
 def advance_moments(
     steps: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], beta1: float, beta2: float
 ) -> tuple[list[float], list[float]]:
     """Increment the steps, update both moments in place; return (1 - beta1^t, sqrt(1 - beta2^t)) per tensor."""
-    torch._foreach_add_(steps, _ONE, alpha=1.0)
+    increment_steps(steps)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)

@@ -17,3 +17,9 @@ def check_number(where: str, name: str, value: object, valid: Callable[[float], 
     if not math.isfinite(number) or not valid(number):
         raise ValueError(f"{where}: {name} must be {rule}, got {value!r}")
     return number
+
+
+def check_flag(where: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return value

@@ -17,6 +17,8 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 class AdamFamily(Optimizer):
     """Base of Adam-style rules; subclasses are dataclasses with lr, betas, eps, weight_decay.
 
+    Their config keys (lr, beta1, beta2, eps, weight_decay, ...) are exactly the keyword arguments
+    of ``fused_update``, so one dict validates, serialises and drives the update.
     State: ``{"step": 0-dim float32 CPU tensor, "exp_avg": zeros, "exp_avg_sq": zeros}`` as in torch.
     """
 
@@ -30,9 +32,12 @@ class AdamFamily(Optimizer):
         if not isinstance(betas, tuple | list) or len(betas) != 2:
             raise ValueError(f"{type(self).__name__}: betas must be a pair (beta1, beta2), got {betas!r}")
         self.betas = (betas[0], betas[1])
-        check_adam_hyperparameters(
-            type(self).__name__, lr=self.lr, beta1=betas[0], beta2=betas[1], eps=self.eps, weight_decay=self.weight_decay
-        )
+        check_adam_hyperparameters(type(self).__name__, **self.update_options())
+
+    def update_options(self) -> dict[str, Any]:
+        options = self.to_config()
+        del options["name"]
+        return options
 
     def create_state(self, param: Tensor) -> dict[str, Tensor]:
         return {
@@ -45,15 +50,4 @@ class AdamFamily(Optimizer):
     def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
         self.check_states(params, grads, states)
         exp_avgs, exp_avg_sqs, steps = self.state_columns(states, STATE_KEYS)
-        type(self).fused_update(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            steps,
-            lr=self.lr,
-            beta1=self.betas[0],
-            beta2=self.betas[1],
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-        )
+        type(self).fused_update(params, grads, exp_avgs, exp_avg_sqs, steps, **self.update_options())

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from tandem.ops.sgd import check_sgd_hyperparameters, multi_sgd_update
+from tandem.ops.sgd import SGDHyperparameters, multi_sgd_update
 from tandem.optim.optimizer import Optimizer
 
 
@@ -25,16 +25,10 @@ class SGD(Optimizer):
     weight_decay: float = 0.0
     nesterov: bool = False
     dampening: float = 0.0
+    fused: bool = False  # torch's single-pass kernel: faster, equal to the foreach path to a few ulps
 
     def __post_init__(self) -> None:
-        check_sgd_hyperparameters(
-            "SGD",
-            lr=self.lr,
-            momentum=self.momentum,
-            weight_decay=self.weight_decay,
-            nesterov=self.nesterov,
-            dampening=self.dampening,
-        )
+        SGDHyperparameters("SGD", self.lr, self.momentum, self.weight_decay, self.nesterov, self.dampening, self.fused)
 
     def create_state(self, param: Tensor) -> dict[str, Tensor]:
         return {}
@@ -51,6 +45,7 @@ class SGD(Optimizer):
             weight_decay=self.weight_decay,
             nesterov=self.nesterov,
             dampening=self.dampening,
+            fused=self.fused,
         )
         for state, buffer in zip(states, buffers):
             if buffer is not None:

@@ -206,6 +206,41 @@ def test_multi_sgd_update_matches_reference(dtypes: list[torch.dtype], hyper: di
         assert buffers == [None] * len(params)
 
 
+def test_fused_sgd_first_step_and_partial_buffers() -> None:
+    params = make_tensors([torch.float32], seed=8)
+    expected = [param.to(torch.float64, copy=True) for param in params]
+    buffers: list[Tensor | None] = [None] * len(params)
+    expected_buffers: list[Tensor | None] = [None] * len(params)
+    hyper = dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True, dampening=0.0)
+    for step in range(3):
+        if step == 2:
+            buffers[0] = expected_buffers[0] = None  # a parameter that joined late: foreach fallback
+        grads = make_tensors([torch.float32], seed=30 + step)
+        multi_sgd_update(params, grads, buffers, fused=True, **hyper)
+        for index, grad in enumerate(grads):
+            expected[index], expected_buffers[index] = reference_sgd(expected[index], grad.double(), expected_buffers[index], **hyper)
+    assert_close_to_reference(params, expected)
+    assert_close_to_reference(buffers, expected_buffers)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32], [torch.float64], MIXED], ids=["float32", "float64", "mixed"])
+def test_fused_adamw_matches_reference(dtypes: list[torch.dtype]) -> None:
+    params = make_tensors(dtypes, seed=9)
+    moments = [torch.zeros_like(param) for param in params], [torch.zeros_like(param) for param in params]
+    steps = [torch.tensor(0.0) for _ in params]
+    expected = [param.to(torch.float64, copy=True) for param in params]
+    expected_moments = [(torch.zeros_like(param), torch.zeros_like(param)) for param in expected]
+    for step in range(1, 4):
+        grads = make_tensors(dtypes, seed=40 + step)
+        multi_adamw_update(params, grads, *moments, steps, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, fused=True)
+        for index, grad in enumerate(grads):
+            direction, *new_moments = reference_adam_direction(grad.double(), *expected_moments[index], step, 0.9, 0.99, 1e-8)
+            expected_moments[index] = (new_moments[0], new_moments[1])
+            expected[index] = reference_adamw(expected[index], direction, lr=1e-2, weight_decay=0.1)
+    assert [float(step) for step in steps] == [3.0] * len(params)
+    assert_close_to_reference(params, expected)
+
+
 def test_multi_sgd_update_momentum_zero_accepts_empty_buffers() -> None:
     params, grads = [torch.ones(2)], [torch.ones(2)]
     multi_sgd_update(params, grads, [], lr=0.5)
