@@ -1,0 +1,60 @@
+"""Sums, odd shapes, big-array splitting and error responses; every worker checks its own results."""
+
+from __future__ import annotations
+
+import torch
+
+import tandem.kvstore as kvstore
+from tandem.kvstore import KVStoreError, RemoteError
+from tandem.kvstore.dist.protocol import Command
+
+kv = kvstore.create("dist_sync")
+rank, workers = kv.rank, kv.num_workers
+total = workers * (workers + 1) / 2  # every worker pushes rank + 1
+shapes = {"odd": (7, 3, 5), 0: (), 1: (1,), "big": (1000,), 7: (3, 4)}  # TANDEM_KVSTORE_BIGARRAY_BOUND=100
+kv.init(list(shapes), [torch.zeros(shape) for shape in shapes.values()])
+
+# push then pull, every key at once
+kv.push(list(shapes), [torch.full(shape, rank + 1.0) for shape in shapes.values()]).wait()
+outs = [torch.empty(shape) for shape in shapes.values()]
+kv.pull(list(shapes), outs).wait()
+for key, out in zip(shapes, outs):
+    assert torch.equal(out, torch.full(shapes[key], total)), (key, out)
+
+# pushpull of a tensor that varies along its elements (catches misplaced slices)
+big = torch.arange(1000.0) * (rank + 1)
+result = torch.empty(1000)
+kv.pushpull("big", big, out=result).wait()
+assert torch.equal(result, torch.arange(1000.0) * total), result
+
+# two devices' values are summed before sending; a pull fills several outputs; non-contiguous output
+kv.pushpull(7, [torch.ones(3, 4), torch.ones(3, 4)]).wait()
+pair = [torch.empty(3, 4), torch.empty(4, 3).t()]
+kv.pull(7, pair).wait()
+assert all(torch.equal(out, torch.full((3, 4), 2.0 * workers)) for out in pair), pair
+
+# errors come back to the caller and the servers keep serving
+for bad, match in [
+    (lambda: kv.push("odd", torch.zeros(3)).wait(), "got shape"),
+    (lambda: kv.push("odd", torch.zeros(7, 3, 5, dtype=torch.float64)).wait(), "float64"),
+    (lambda: kv.pull("never", torch.zeros(2)).wait(), "never initialised"),
+    (lambda: kv.init("odd", torch.zeros(7, 3, 5)), "already initialised"),
+]:
+    try:
+        bad()
+    except KVStoreError as error:
+        assert match in str(error), (match, error)
+    else:
+        raise AssertionError(f"expected an error matching {match!r}")
+if rank == 0:  # the server's own double-init check, bypassing the worker-side one
+    try:
+        kv._send_tensors(Command.INIT, [("odd", torch.zeros(7, 3, 5), [])], 0, "init").wait()
+    except RemoteError as error:
+        assert "already initialised" in str(error), error
+    else:
+        raise AssertionError("server accepted a double init")
+kv.barrier()
+kv.pull("odd", outs[0]).wait()
+assert torch.equal(outs[0], torch.full((7, 3, 5), total))
+print(f"basic OK rank {rank} of {workers} workers, {kv.num_servers} servers")
+kv.close()

@@ -1,0 +1,53 @@
+"""Garbage, unsigned and wrongly signed frames at every server port; then normal pushes and pulls still work.
+
+Runs with TANDEM_PS_SECRET set, so a well-formed but unsigned request must be dropped too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import zmq
+
+import tandem.kvstore as kvstore
+from tandem.kvstore.dist.protocol import Command, Header, Role, encode_header
+
+kv = kvstore.create("dist_sync")
+kv.init("w", torch.zeros(10))
+secret = os.environ["TANDEM_PS_SECRET"].encode()
+pull = Header(Command.PULL, 7, Role.WORKER, 0, key="w", dtype=torch.float32, shape=(10,), slice_stop=10)
+hello = Header(Command.HELLO, 8, Role.WORKER, 0, payload_count=1, payload_nbytes=2)
+hostile = [
+    [b""],
+    [b"hello"],
+    [os.urandom(300)],
+    [b"TDKV" + os.urandom(80)],
+    [b"\x00" * 5000, b"x", b"y"],
+    [encode_header(pull)],  # well-formed but unsigned
+    [encode_header(pull, b"wrong secret")],
+    [encode_header(pull, secret)],  # signed, but this peer never said hello
+    [encode_header(Header(Command.PUSH, 9, Role.WORKER, 0, key="w", dtype=torch.float32, shape=(10,),
+                          slice_stop=10, payload_count=1, payload_nbytes=40), secret), b"short"],  # fmt: skip
+]
+context = zmq.Context()
+for endpoint in kv.endpoints:
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(endpoint)
+    for frames in hostile:
+        raw.send_multipart(frames)
+    assert not raw.poll(500), "a server answered a rejected message"
+    raw.send_multipart([encode_header(hello, secret), json.dumps({}).encode()])  # signed hello, wrong job
+    assert raw.poll(5000), "a server did not answer a signed hello"
+    answer = raw.recv_multipart()
+    assert b"runs" in answer[-1], answer
+    raw.close()
+context.term()
+kv.push("w", torch.arange(10.0)).wait()
+out = torch.empty(10)
+kv.pull("w", out).wait()
+assert torch.equal(out, torch.arange(10.0)), out
+print(f"malformed OK rank {kv.rank}: {len(hostile)} hostile messages per server rejected, still serving")
+kv.close()

@@ -1,0 +1,43 @@
+"""The distributed kvstore with real server and worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tests.dist.jobs import run_job, worker_lines
+
+
+@pytest.mark.parametrize("workers, servers", [(1, 1), (2, 3), (3, 2)])
+def test_sums_shapes_splitting_and_errors(workers: int, servers: int) -> None:
+    result = run_job("basic.py", workers, servers, env={"TANDEM_KVSTORE_BIGARRAY_BOUND": "100"})
+    assert len(worker_lines(result.stdout, "basic OK")) == workers, result.stdout
+
+
+BOUND = {"TANDEM_KVSTORE_BIGARRAY_BOUND": "100"}
+
+
+@pytest.mark.parametrize("kind", ["dist_sync", "dist_async"])
+def test_server_side_optimizer_equals_local_update(kind: str) -> None:
+    result = run_job("optimizer.py", 2, 2, kind, env=BOUND)
+    assert len(worker_lines(result.stdout, "optimizer OK")) == 2, result.stdout
+
+
+def test_two_workers_on_half_batches_equal_one_process_on_the_whole() -> None:
+    result = run_job("exactness.py", 2, 2)
+    assert len(worker_lines(result.stdout, "exactness OK")) == 2, result.stdout
+
+
+def test_restored_servers_continue_the_same_trajectory(tmp_path: Path) -> None:
+    run_job("checkpoint.py", 2, 2, "first", str(tmp_path), env=BOUND)
+    assert sorted(path.name for path in tmp_path.glob("server-*")) == ["server-0-of-2.pt", "server-1-of-2.pt"]
+    result = run_job("checkpoint.py", 2, 2, "resume", str(tmp_path), env=BOUND)
+    assert len(worker_lines(result.stdout, "checkpoint OK")) == 2, result.stdout
+
+
+def test_hostile_frames_are_rejected_and_servers_keep_serving() -> None:
+    result = run_job("malformed.py", 1, 2, env={"TANDEM_PS_SECRET": "tandem-test-secret"})
+    assert len(worker_lines(result.stdout, "malformed OK")) == 1, result.stdout
+    for server in (0, 1):
+        rejected = [line for line in result.stdout.splitlines() if line.startswith(f"[server {server}]") and "rejected" in line]
+        assert len(rejected) >= 9, result.stdout
