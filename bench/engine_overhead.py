@@ -37,16 +37,16 @@ def time_round_robin(cases: dict[str, Callable[[], None]], runs: int, desc: str)
     return samples
 
 
-def write_report(
-    name: str, title: str, table: str, labels: list[str], values: list[float], unit: str
-) -> None:
-    """Print the markdown table and save it with a horizontal bar plot under bench/out/."""
+def write_report(name: str, title: str, lines: list[str], medians: dict[str, float], unit: str) -> None:
+    """Print the markdown table and save it with a horizontal bar plot of the medians under bench/out/."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     OUT.mkdir(parents=True, exist_ok=True)
+    table = "\n".join(lines)
+    labels, values = list(medians), list(medians.values())
     (OUT / f"{name}.md").write_text(table + "\n")
     figure, axes = plt.subplots(figsize=(8, 0.5 * len(labels) + 1.5))
     axes.barh(labels[::-1], values[::-1], color="tab:blue")
@@ -134,14 +134,7 @@ def main() -> None:
     ]
     verdict = "met" if headline <= 10 else "missed"
     lines += ["", f"Target <= 10 µs per op on the threaded engine: {verdict} ({headline:.2f} µs)."]
-    write_report(
-        "engine_overhead",
-        "engine overhead per op",
-        "\n".join(lines),
-        list(medians),
-        list(medians.values()),
-        "µs per op (median)",
-    )
+    write_report("engine_overhead", "engine overhead per op", lines, medians, "µs per op (median)")
 
 
 if __name__ == "__main__":

@@ -106,14 +106,7 @@ def main() -> None:
         lines.append(
             f"| {label} | {seconds:.4f} | {seconds / (ARRAYS * REPEATS) * 1e6:.2f} | {per_array / seconds:.2f}x |"
         )
-    write_report(
-        "zero_grad",
-        "zeroing 500 arrays x 10",
-        "\n".join(lines),
-        list(medians),
-        list(medians.values()),
-        "seconds (median)",
-    )
+    write_report("zero_grad", "zeroing 500 arrays x 10", lines, medians, "seconds (median)")
 
 
 if __name__ == "__main__":
