@@ -1,0 +1,165 @@
+"""The `tandem` command: `tandem train ...` and `tandem launch ...` (also `python -m tandem`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+DATASETS = ("digits", "synthetic-images", "synthetic-tokens")
+
+
+def _model_config(model: str, dataset: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Sensible model sizes per data set; --model-arg key=value overrides any of them."""
+    if dataset == "digits":
+        base = {"mlp": {"in_features": 64, "hidden": (128, 128)},
+                "resnet": {"depth": 8, "width": 16, "in_channels": 1, "small_input": True},
+                "vgg": {"config": "vgg11", "in_channels": 1, "image_size": 8, "width_multiplier": 0.25,
+                        "classifier_width": 256}}.get(model)
+    elif dataset == "synthetic-images":
+        base = {"mlp": {"in_features": 3 * 32 * 32}, "resnet": {"depth": 8, "width": 16, "small_input": True},
+                "vgg": {"config": "vgg11", "width_multiplier": 0.25, "classifier_width": 512}}.get(model)
+    else:
+        base = {"lstm_lm": {"vocab_size": 512, "embed_dim": 128, "hidden": 128},
+                "gpt": {"vocab_size": 512, "block_size": 64}}.get(model)
+    if base is None:
+        raise SystemExit(f"tandem train: model {model!r} does not fit data {dataset!r}; "
+                         "image models (mlp, resnet, vgg) take digits or synthetic-images, "
+                         "lstm_lm and gpt take synthetic-tokens")
+    return {**base, **overrides}
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if "," in text:
+        return tuple(_parse_value(part) for part in text.split(",") if part)
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _datasets(args: argparse.Namespace, model_config: dict[str, Any]) -> tuple[Any, Any]:
+    from tandem import data
+
+    if args.data == "digits":
+        return data.digits("train"), data.digits("test")
+    if args.data == "synthetic-images":
+        return (data.synthetic_images(args.samples, seed=args.seed),
+                data.synthetic_images(max(args.samples // 5, 1), seed=args.seed + 1))
+    seq_len = min(64, model_config.get("block_size", 64))
+    vocab = model_config.get("vocab_size", 512)
+    return (data.synthetic_tokens(args.samples, seq_len=seq_len, vocab_size=vocab, seed=args.seed),
+            data.synthetic_tokens(max(args.samples // 5, 1), seq_len=seq_len, vocab_size=vocab, seed=args.seed + 1))
+
+
+def _optimizer(args: argparse.Namespace) -> Any:
+    from tandem import optim
+
+    if args.optimizer == "sgd":
+        return optim.SGD(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    return optim.create(args.optimizer, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def train(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem import models
+    from tandem.trainer import Trainer
+
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1)))
+    torch.manual_seed(args.seed)
+    overrides = dict(_split_pair(item, "--model-arg") for item in args.model_arg)
+    config = _model_config(args.model, args.data, {k: _parse_value(v) for k, v in overrides.items()})
+    module = models.build(args.model, **config)
+    entry = models.ZOO[args.model]
+    train_set, test_set = _datasets(args, config)
+    options: dict[str, Any] = {"batch_size": args.batch_size, "seed": args.seed, "progress": not args.no_progress}
+    for name in ("mirror", "bulk_fwd", "bulk_bwd", "kvstore", "clip_grad_norm"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    trainer = Trainer(module, entry.loss_fn, _optimizer(args), **options)
+    parameters = sum(p.numel() for p in module.parameters())
+    print(f"tandem: training {args.model} ({parameters / 1e6:.2f}M parameters) on {args.data} "
+          f"({len(train_set)} train / {len(test_set)} test samples), batch {args.batch_size}, {args.epochs} epochs")
+    start = time.perf_counter()
+    history = []
+    for _ in range(args.epochs):
+        record = trainer.fit(train_set, epochs=1, eval_data=test_set)[0]
+        history.append(record)
+        accuracy = f", test accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""
+        print(f"epoch {int(record['epoch'])}: train loss {record['train_loss']:.4f}, "
+              f"test loss {record['eval_loss']:.4f}{accuracy}, {record['samples_per_s']:.0f} samples/s")
+    elapsed = time.perf_counter() - start
+    if args.save:
+        trainer.save(args.save)
+        print(f"checkpoint written to {args.save}")
+    final = history[-1]
+    report = trainer.train_step.memory_report()
+    accuracy = f"test_accuracy={final['eval_accuracy']:.4f} " if "eval_accuracy" in final else ""
+    print(f"tandem: done: model={args.model} data={args.data} epochs={args.epochs} {accuracy}"
+          f"test_loss={final['eval_loss']:.4f} samples_per_s={final['samples_per_s']:.0f} "
+          f"peak_activation_MB={report['peak_bytes'] / 2**20:.1f} time={elapsed:.1f}s")
+    return 0
+
+
+def _split_pair(item: str, flag: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise SystemExit(f"{flag} takes KEY=VALUE, got {item!r}")
+    key, value = item.split("=", 1)
+    return key, value
+
+
+def _mirror(text: str) -> str | float:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("train", help="train a zoo model on a data set, with a progress bar")
+    p.add_argument("--model", default="resnet", choices=["mlp", "resnet", "vgg", "lstm_lm", "gpt"])
+    p.add_argument("--data", default="digits", choices=DATASETS)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw", "lamb"])
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--clip-grad-norm", type=float, default=None)
+    p.add_argument("--mirror", type=_mirror, default=None,
+                   help="off | all | sqrt | memory-aware | a fraction of peak (0.4) | a size ('300MB')")
+    p.add_argument("--bulk-fwd", type=int, default=None, help="forward segment cap (op nodes)")
+    p.add_argument("--bulk-bwd", type=int, default=None, help="backward segment cap (op nodes)")
+    p.add_argument("--kvstore", default=None, help="local | dist_sync | dist_async | dist_p3 (under tandem launch)")
+    p.add_argument("--samples", type=int, default=4096, help="size of synthetic data sets")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model constructor overrides")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--save", default=None, help="write a checkpoint here at the end")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(handler=train)
+    try:
+        from tandem import launch
+    except ImportError:  # the launcher is optional for single-process use
+        launch = None  # type: ignore[assignment]
+    if launch is not None:
+        lp = commands.add_parser("launch", help="start servers and workers on this machine: tandem launch -n 2 -s 2 -- CMD")
+        launch.add_arguments(lp)
+        lp.set_defaults(handler=launch.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
