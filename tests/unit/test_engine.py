@@ -211,3 +211,26 @@ def test_var_basics() -> None:
     assert engine.Var().name == ""
     with pytest.raises(TypeError):
         engine.Var(3)  # type: ignore[arg-type]
+
+
+def _push_in_child(queue: object) -> None:
+    eng = engine.get_engine()
+    x = eng.new_var("x")
+    eng.push(lambda: None, writes=[x])
+    eng.wait(x, timeout=10)
+    queue.put(x.version)  # type: ignore[attr-defined]
+
+
+def test_forked_child_gets_a_fresh_working_engine() -> None:
+    import multiprocessing
+
+    parent = engine.get_engine()
+    parent.push(lambda: None)  # the parent's workers exist now; a child must not rely on them
+    parent.wait_all(timeout=10)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_push_in_child, args=(queue,))
+    child.start()
+    assert queue.get(timeout=30) == 1
+    child.join(timeout=30)
+    assert child.exitcode == 0

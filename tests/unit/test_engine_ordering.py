@@ -25,6 +25,7 @@ class OpSpec:
     writes: frozenset[int]
     priority: int
     pool: str
+    fails: bool = False
 
 
 op_specs = st.builds(
@@ -33,17 +34,34 @@ op_specs = st.builds(
     writes=st.frozensets(st.integers(0, NUM_VARS - 1), max_size=2),
     priority=st.integers(-2, 2),
     pool=st.sampled_from(["compute", "compute", "io"]),
+    fails=st.sampled_from([False] * 9 + [True]),
 )
 programs = st.lists(op_specs, min_size=1, max_size=40)
+SKIPPED = ("skipped",)
+
+
+class Boom(Exception):
+    pass
 
 
 def reference(program: list[OpSpec]) -> tuple[list[tuple[int, ...]], list[int]]:
-    """What each op observes and the final values when ops run one by one in push order."""
+    """What each op observes and the final values when ops run one by one in push order.
+
+    An op touching a var written by a failed (or skipped) op is skipped; a failing op writes nothing.
+    """
     values = [0] * NUM_VARS
-    observed = []
+    poisoned: set[int] = set()
+    observed: list[tuple[int, ...]] = []
     for index, spec in enumerate(program):
+        if (spec.reads | spec.writes) & poisoned:
+            observed.append(SKIPPED)
+            poisoned |= spec.writes
+            continue
         seen = tuple(values[v] for v in sorted(spec.reads | spec.writes))
         observed.append(seen)
+        if spec.fails:
+            poisoned |= spec.writes
+            continue
         for v in spec.writes:
             values[v] = hash((index, seen, v)) & 0xFFFFFF
     return observed, values
@@ -79,7 +97,7 @@ class Guard:
 
 def run_program(eng: engine.Engine, program: list[OpSpec]) -> tuple[list[tuple[int, ...]], list[int], Guard]:
     values = [0] * NUM_VARS
-    observed: list[tuple[int, ...]] = [()] * len(program)
+    observed: list[tuple[int, ...]] = [SKIPPED] * len(program)
     guard = Guard()
     variables = [eng.new_var(f"v{i}") for i in range(NUM_VARS)]
 
@@ -89,9 +107,12 @@ def run_program(eng: engine.Engine, program: list[OpSpec]) -> tuple[list[tuple[i
             seen = tuple(values[v] for v in sorted(spec.reads | spec.writes))
             observed[index] = seen
             threading.Event().wait(0.0002 if index % 3 == 0 else 0)  # widen the race window
-            for v in spec.writes:
-                values[v] = hash((index, seen, v)) & 0xFFFFFF
+            if not spec.fails:
+                for v in spec.writes:
+                    values[v] = hash((index, seen, v)) & 0xFFFFFF
             guard.leave(spec)
+            if spec.fails:
+                raise Boom(f"op{index} fails on purpose")
 
         return op
 
@@ -104,7 +125,11 @@ def run_program(eng: engine.Engine, program: list[OpSpec]) -> tuple[list[tuple[i
             name=f"op{index}",
             pool=spec.pool,
         )
-    eng.wait_all(timeout=20)
+    try:
+        eng.wait_all(timeout=20)
+        assert not any(spec.fails for spec in program), "a failure went unreported"
+    except engine.EngineError as error:
+        assert isinstance(error.__cause__, Boom) and any(spec.fails for spec in program)
     for v, var in enumerate(variables):
         assert var.version == sum(v in spec.writes for spec in program)
     return observed, values, guard
@@ -135,6 +160,31 @@ def test_naive_and_threaded_engines_agree(program: list[OpSpec]) -> None:
     naive_result = run_program(engine.NaiveEngine(), program)
     assert threaded_result[:2] == naive_result[:2]
     assert naive_result[2].violations == []
+
+
+def test_pushes_from_several_threads_keep_each_threads_order() -> None:
+    eng = engine.ThreadedEngine(compute_threads=2, io_threads=2)
+    shared = eng.new_var("shared")
+    logs: list[list[int]] = [[] for _ in range(4)]
+
+    def pusher(thread_index: int) -> None:
+        own = eng.new_var(f"own{thread_index}")
+        for step in range(300):
+            eng.push(
+                lambda step=step: logs[thread_index].append(step),
+                reads=[shared],
+                writes=[own],
+                pool="io" if step % 4 == 0 else "compute",
+            )
+
+    threads = [threading.Thread(target=pusher, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    eng.wait_all(timeout=20)
+    assert logs == [list(range(300))] * 4
+    eng.shutdown(timeout=20)
 
 
 def test_waiting_on_one_var_sees_all_its_earlier_writes() -> None:
