@@ -21,6 +21,8 @@ def load(path: str) -> list[dict]:
 
 
 def test_engine_ops_and_custom_events_are_recorded(tmp_path: Path) -> None:
+    if trace.enabled():
+        pytest.skip("TANDEM_TRACE is set for this test run")
     eng = engine.ThreadedEngine(compute_threads=1, io_threads=1)
     x = eng.new_var("x")
     trace.start(str(tmp_path / "sub" / "trace.json"))
@@ -48,7 +50,8 @@ def test_engine_ops_and_custom_events_are_recorded(tmp_path: Path) -> None:
 
 
 def test_record_is_a_no_op_when_off_and_stop_needs_start() -> None:
-    assert not trace.enabled()
+    if trace.enabled():
+        pytest.skip("TANDEM_TRACE is set for this test run")
     trace.record("ignored", 0.0, 1.0)
     with pytest.raises(RuntimeError, match="trace.start"):
         trace.stop()
