@@ -76,7 +76,7 @@ class Handle:
         if not self._event.wait(limit):
             raise KVStoreTimeout(f"{self.what} did not finish within {limit:.1f} s (TANDEM_PS_WAIT_TIMEOUT)")
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(None)  # the failing thread's frames only confuse the caller
 
     @classmethod
     def completed(cls, what: str) -> Handle:

@@ -22,7 +22,9 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch_command(script: str, workers: int, servers: int, *args: str, env: dict[str, str] | None = None) -> list[str]:
+def launch_command(
+    script: str, workers: int, servers: int, *args: str, env: dict[str, str] | None = None
+) -> list[str]:
     options = [f"--env={name}={value}" for name, value in (env or {}).items()]
     return [sys.executable, "-m", "tandem.launch", "-n", str(workers), "-s", str(servers), "--grace", "2", *options,
             "--", sys.executable, str(SCRIPTS / script), *args]  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from tests.dist.jobs import run_job, worker_lines
 
 
@@ -39,5 +40,9 @@ def test_hostile_frames_are_rejected_and_servers_keep_serving() -> None:
     result = run_job("malformed.py", 1, 2, env={"TANDEM_PS_SECRET": "tandem-test-secret"})
     assert len(worker_lines(result.stdout, "malformed OK")) == 1, result.stdout
     for server in (0, 1):
-        rejected = [line for line in result.stdout.splitlines() if line.startswith(f"[server {server}]") and "rejected" in line]
+        rejected = [
+            line
+            for line in result.stdout.splitlines()
+            if line.startswith(f"[server {server}]") and "rejected" in line
+        ]
         assert len(rejected) >= 9, result.stdout

@@ -51,7 +51,9 @@ for _ in range(steps):
         optimizer.update([param.data for param in reference_params], list(grads), states)
 difference = max((a - b).abs().max().item() for a, b in zip(params, reference_params))
 moved = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(params, make_model().parameters()))
-print(f"rank {kv.rank}: max |distributed - single process| = {difference:.3e} after {steps} steps (moved {moved:.3f})")
+print(
+    f"rank {kv.rank}: max |distributed - single process| = {difference:.3e} after {steps} steps (moved {moved:.3f})"
+)
 assert difference < 1e-12 and moved > 1e-3, (difference, moved)
 print(f"exactness OK rank {kv.rank}")
 kv.close()

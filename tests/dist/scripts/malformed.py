@@ -28,8 +28,24 @@ hostile = [
     [encode_header(pull)],  # well-formed but unsigned
     [encode_header(pull, b"wrong secret")],
     [encode_header(pull, secret)],  # signed, but this peer never said hello
-    [encode_header(Header(Command.PUSH, 9, Role.WORKER, 0, key="w", dtype=torch.float32, shape=(10,),
-                          slice_stop=10, payload_count=1, payload_nbytes=40), secret), b"short"],  # fmt: skip
+    [
+        encode_header(
+            Header(
+                Command.PUSH,
+                9,
+                Role.WORKER,
+                0,
+                key="w",
+                dtype=torch.float32,
+                shape=(10,),
+                slice_stop=10,
+                payload_count=1,
+                payload_nbytes=40,
+            ),
+            secret,
+        ),
+        b"short",
+    ],  # fmt: skip
 ]
 context = zmq.Context()
 for endpoint in kv.endpoints:

@@ -32,7 +32,10 @@ def local_reference(optimizer: object) -> torch.Tensor:
 
 out = torch.empty(1000)
 if kind == "dist_sync":
-    optimizers = {"sgd": SGD(lr=0.1, momentum=0.9, weight_decay=0.01), "adamw": AdamW(lr=0.01, weight_decay=0.1)}
+    optimizers = {
+        "sgd": SGD(lr=0.1, momentum=0.9, weight_decay=0.01),
+        "adamw": AdamW(lr=0.01, weight_decay=0.1),
+    }
     for key, optimizer in optimizers.items():
         kv.set_optimizer(optimizer)
         kv.init(key, start)

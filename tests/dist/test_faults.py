@@ -1,0 +1,142 @@
+"""Killing a server or a worker mid-training ends the whole job fast, with a message naming the dead node.
+
+Twice each: under `tandem launch` (the launcher notices the exit and stops the rest) and with
+processes started by hand (the processes notice by themselves, through heartbeats and ABORT).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests.dist.jobs import FAST_FAULTS, REPO, SCRIPTS, job_env, launch_command
+
+DEADLINE = 30.0
+
+
+class _Lines:
+    """Collects a process's output lines in a thread so the test can wait for a marker."""
+
+    def __init__(self, stream: object) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: object) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            time.sleep(0.05)
+        raise AssertionError(f"no line matched {pattern!r}:\n" + "\n".join(self.lines))
+
+    def text(self) -> str:
+        self._thread.join(timeout=5)
+        return "\n".join(self.lines)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie is dead too
+
+
+@pytest.mark.parametrize("victim", ["server 1", "worker 1"])
+def test_launcher_stops_the_job_when_a_process_dies(victim: str) -> None:
+    command = launch_command("train_forever.py", 2, 2, env=FAST_FAULTS)
+    launcher = subprocess.Popen(
+        command, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output = _Lines(launcher.stdout)
+    try:
+        pids = {name: int(output.wait_for(rf"\[{name}\] {name} pid (\d+)").group(1))
+                for name in ("server 0", "server 1", "worker 0", "worker 1")}  # fmt: skip
+        output.wait_for(r"\[worker 0\] step 20")
+        killed_at = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+        code = launcher.wait(timeout=DEADLINE)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        launcher.kill()
+    text = output.text()
+    assert code != 0 and elapsed < DEADLINE, (code, elapsed, text)
+    assert f"{victim} (pid {pids[victim]}) was killed by SIGKILL" in text, text
+    assert all(_gone(pid) for pid in pids.values()), text
+
+
+def _start_by_hand(
+    tmp_path: Path, workers: int, servers: int
+) -> tuple[dist.TCPStore, dict[str, subprocess.Popen[bytes]]]:
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    base = job_env(**FAST_FAULTS, TANDEM_NUM_WORKERS=str(workers), TANDEM_NUM_SERVERS=str(servers),
+                   TANDEM_MASTER_ADDR="127.0.0.1", TANDEM_MASTER_PORT=str(store.port))  # fmt: skip
+    processes = {}
+    for role, count in (("server", servers), ("worker", workers)):
+        for rank in range(count):
+            log = open(tmp_path / f"{role}{rank}.log", "wb")  # noqa: SIM115 - closed with the process
+            env = {**base, "TANDEM_ROLE": role, "TANDEM_RANK": str(rank), "PYTHONUNBUFFERED": "1"}
+            processes[f"{role} {rank}"] = subprocess.Popen(
+                [os.sys.executable, str(SCRIPTS / "train_forever.py")],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+    return store, processes
+
+
+def _log(tmp_path: Path, name: str) -> str:
+    return (tmp_path / f"{name.replace(' ', '')}.log").read_text(errors="replace")
+
+
+@pytest.mark.parametrize(
+    "victim, survivor_says",
+    [
+        ("server 1", r"server 1 \(tcp://127\.0\.0\.1:\d+\) stopped answering: no heartbeat for 4\.0 s"),
+        ("worker 1", r"worker 1 \(pid \d+ on [^)]+\) stopped answering: no heartbeat for 4\.0 s"),
+    ],
+)
+def test_processes_notice_a_dead_peer_without_a_launcher(
+    tmp_path: Path, victim: str, survivor_says: str
+) -> None:
+    store, processes = _start_by_hand(tmp_path, workers=2, servers=2)
+    try:
+        deadline = time.monotonic() + 60
+        while "step 20" not in _log(tmp_path, "worker 0"):
+            assert time.monotonic() < deadline and processes["worker 0"].poll() is None, _log(
+                tmp_path, "worker 0"
+            )
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        processes[victim].send_signal(signal.SIGKILL)
+        codes = {name: process.wait(timeout=DEADLINE) for name, process in processes.items()}
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for process in processes.values():
+            process.kill()
+        del store
+    logs = {name: _log(tmp_path, name) for name in processes}
+    assert elapsed < DEADLINE, (elapsed, logs)
+    for name, code in codes.items():
+        assert code != 0, (name, code, logs[name])
+        if name != victim:
+            assert re.search(survivor_says, logs[name]), (name, logs[name])
