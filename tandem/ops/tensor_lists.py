@@ -63,26 +63,25 @@ def check_lengths(op: str, named_lists: Mapping[str, Sequence[Any]]) -> None:
             )
 
 
-def _check_partner(op: str, names: tuple[str, str], index: int, head: Tensor, item: Any) -> None:
-    """``item`` must be a tensor shaped like ``head`` on its device with its dtype."""
+def _partner_error(op: str, names: tuple[str, str], index: int, head: Tensor, item: Any) -> Exception:
+    """Why ``item`` does not match ``head`` (its primary): type, device, dtype or shape."""
     primary, name = names
     if not isinstance(item, Tensor):
-        raise not_a_tensor(op, name, index, item)
+        return not_a_tensor(op, name, index, item)
     if item.device != head.device:
-        raise ValueError(
+        return ValueError(
             f"{op}: {name}[{index}] is on {item.device} but {primary}[{index}] is on {head.device}; "
             "move them to one device"
         )
     if item.dtype != head.dtype:
-        raise TypeError(
+        return TypeError(
             f"{op}: {name}[{index}] has dtype {item.dtype} but {primary}[{index}] has {head.dtype}; "
             "cast one so they match"
         )
-    if item.shape != head.shape:
-        raise ValueError(
-            f"{op}: {name}[{index}] has shape {tuple(item.shape)} but {primary}[{index}] has "
-            f"{tuple(head.shape)}; they must match"
-        )
+    return ValueError(
+        f"{op}: {name}[{index}] has shape {tuple(item.shape)} but {primary}[{index}] has "
+        f"{tuple(head.shape)}; they must match"
+    )
 
 
 def _check_counter(op: str, names: tuple[str, str], index: int, head: Tensor, item: Any) -> None:
@@ -102,6 +101,21 @@ def _check_counter(op: str, names: tuple[str, str], index: int, head: Tensor, it
         )
 
 
+def _check_partners(op: str, names: list[str], index: int, row: tuple[Any, ...], key: GroupKey,
+                    counters: Collection[str], nullable: Collection[str]) -> None:
+    """Raise unless every entry after the first (the primary, ``row[0]``) fits it."""
+    head = row[0]
+    device, dtype = key
+    shape = head.shape
+    for name, item in zip(names[1:], row[1:]):
+        if name in counters:
+            _check_counter(op, (names[0], name), index, head, item)
+        elif not (
+            isinstance(item, Tensor) and item.dtype == dtype and item.device == device and item.shape == shape
+        ) and not (item is None and name in nullable):
+            raise _partner_error(op, (names[0], name), index, head, item)
+
+
 def group_by_device_and_dtype(
     op: str,
     named_lists: Mapping[str, Sequence[Any]],
@@ -117,23 +131,23 @@ def group_by_device_and_dtype(
     """
     check_lengths(op, named_lists)
     names = list(named_lists)
-    primary = names[0]
-    checks = [
-        (name, _check_counter if name in counters else _check_partner, name in nullable) for name in names[1:]
-    ]
-    groups: dict[GroupKey, Group] = {}
-    for index, row in enumerate(zip(*named_lists.values())):
+    columns = [list(named_lists[name]) for name in names]
+    indices_by_key: dict[GroupKey, list[int]] = {}
+    for index, row in enumerate(zip(*columns)):
         head = row[0]
         if not isinstance(head, Tensor):
-            raise not_a_tensor(op, primary, index, head)
-        for (name, check, may_be_none), item in zip(checks, row[1:]):
-            if not (may_be_none and item is None):
-                check(op, (primary, name), index, head, item)
+            raise not_a_tensor(op, names[0], index, head)
         key = (head.device, head.dtype)
-        group = groups.get(key)
-        if group is None:
-            group = groups[key] = Group([[] for _ in names])
-        for column, item in zip(group.columns, row):
-            column.append(item)
-        group.indices.append(index)
-    return groups
+        if len(row) > 1:
+            _check_partners(op, names, index, row, key, counters, nullable)
+        indices = indices_by_key.get(key)
+        if indices is None:
+            indices = indices_by_key[key] = []
+        indices.append(index)
+    if len(indices_by_key) == 1:  # the common case: the caller's lists are the group, no copying
+        ((key, indices),) = indices_by_key.items()
+        return {key: Group(columns, indices)}
+    return {
+        key: Group([[column[index] for index in indices] for column in columns], indices)
+        for key, indices in indices_by_key.items()
+    }
