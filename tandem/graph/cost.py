@@ -1,0 +1,203 @@
+"""What a graph node costs: bytes of its output(s), flops of its op, and how it may be treated.
+
+Pure functions over ``torch.fx`` nodes of a captured TrainGraph (aten ops with ``meta["val"]``
+fake tensors). The mirroring pass uses them to weigh bytes kept against work redone; they never
+run an op. Flop counts follow the usual convention (one multiply-add = 2 flops) and only need to
+rank ops against each other, not to predict time exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+# Ops whose output differs between two runs on the same inputs: re-running them would change numbers.
+RANDOM_OPS = frozenset(
+    {
+        aten.native_dropout.default,
+        aten.bernoulli.default,
+        aten.bernoulli.p,
+        aten.bernoulli_.float,
+        aten.rand.default,
+        aten.rand_like.default,
+        aten.randn.default,
+        aten.randn_like.default,
+        aten.randint.default,
+        aten.randint_like.default,
+        aten.randperm.default,
+        aten.normal.Tensor_float,
+        aten.uniform.default,
+        aten.multinomial.default,
+    }
+)
+
+# Ops MXNet's rule never re-runs (Convolution, FullyConnected, Embedding, Concat, the loss):
+# their time dominates, or their output is what a recompute would have to start from anyway.
+EXPENSIVE_OPS = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.matmul.default,
+        aten.convolution.default,
+        aten.convolution_backward.default,
+        aten.embedding.default,
+        aten.cat.default,
+        aten.stack.default,
+        aten.nll_loss_forward.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten.max_pool2d_with_indices.default,  # its indices output is what the backward needs
+    }
+)
+
+# Ops that return a view of an input but whose schema does not say so.
+_HIDDEN_ALIASES = frozenset({aten._unsafe_view.default, aten.alias.default})
+
+_FLOPS_PER_ELEMENT = {  # a rough count for elementwise and normalisation ops, per output element
+    aten.native_batch_norm.default: 8,
+    aten._native_batch_norm_legit_functional.default: 8,
+    aten._native_batch_norm_legit.default: 8,
+    aten.native_layer_norm.default: 8,
+    aten._softmax.default: 5,
+    aten._log_softmax.default: 5,
+    aten.gelu.default: 10,
+    aten.tanh.default: 4,
+    aten.sigmoid.default: 4,
+}
+
+
+# -- values ------------------------------------------------------------------------------------
+
+
+def tensor_values(value: Any) -> list[torch.Tensor]:
+    """The tensors in a node's value: itself, or the tensors of a tuple/list output."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor of this shape and dtype occupies (dense, as a fresh output is)."""
+    return math.prod(tensor.shape) * tensor.element_size()
+
+
+def output_bytes(node: fx.Node) -> int:
+    """Bytes of every tensor a node outputs (all elements of a tuple output), from meta val."""
+    return sum(tensor_bytes(t) for t in tensor_values(node.meta.get("val")))
+
+
+def _elements(node: fx.Node) -> int:
+    return sum(math.prod(t.shape) for t in tensor_values(node.meta.get("val")))
+
+
+def _shape(node: Any) -> Sequence[int]:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+# -- classification ----------------------------------------------------------------------------
+
+
+def is_random(node: fx.Node) -> bool:
+    """True for ops that draw random numbers (dropout, bernoulli, rand*): never re-run them."""
+    return node.op == "call_function" and node.target in RANDOM_OPS
+
+
+def is_expensive(node: fx.Node) -> bool:
+    """True for ops MXNet's rule does not re-run: matmul/conv/embedding/concat/loss/pooling."""
+    return node.op == "call_function" and node.target in EXPENSIVE_OPS
+
+
+def alias_source(node: fx.Node) -> fx.Node | None:
+    """The input whose storage this node's output shares (a view), or None for a fresh output.
+
+    Read from the op schema's alias annotations (``Tensor(a) self -> Tensor(a)``), plus the few
+    ops that alias without saying so. A getitem of a list-of-views op (split, chunk, unbind)
+    aliases that op's input.
+    """
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return alias_source(source) if isinstance(source, fx.Node) else None
+    if node.target in _HIDDEN_ALIASES:
+        return _first_node(node.args)
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return None
+    alias = schema.returns[0].alias_info
+    if alias is None or alias.is_write:
+        return None
+    for argument, value in zip(schema.arguments, node.args):
+        if argument.alias_info is not None and set(argument.alias_info.before_set) & set(alias.before_set):
+            return value if isinstance(value, fx.Node) else None
+    return _first_node(node.args)
+
+
+def _first_node(args: Sequence[Any]) -> fx.Node | None:
+    return next((a for a in args if isinstance(a, fx.Node)), None)
+
+
+def is_view(node: fx.Node) -> bool:
+    return alias_source(node) is not None
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node that allocated the storage this node's value lives in (follows views)."""
+    while (source := alias_source(node)) is not None:
+        node = source
+    return node
+
+
+# -- flops -------------------------------------------------------------------------------------
+
+
+def flops(node: fx.Node) -> int:
+    """Approximate floating-point operations of one run of ``node`` (0 for views and getitems)."""
+    if node.op != "call_function" or node.target is operator.getitem or is_view(node):
+        return 0
+    target = node.target
+    if target in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default):
+        return _matmul_flops(node)
+    if target is aten.convolution.default:
+        return _convolution_flops(node)
+    if target is aten.convolution_backward.default:
+        return 2 * _convolution_flops(node)  # input gradient and weight gradient: one conv each
+    return _FLOPS_PER_ELEMENT.get(target, 1) * max(_elements(node), _input_elements(node))  # type: ignore[call-overload]
+
+
+def _input_elements(node: fx.Node) -> int:
+    # Reductions touch every input element once even though their output is small.
+    return max((math.prod(_shape(a)) for a in node.all_input_nodes if _shape(a)), default=0)
+
+
+def _matmul_flops(node: fx.Node) -> int:
+    first, second = node.args[-2], node.args[-1]
+    inner = _shape(first)[-1] if _shape(first) else 0
+    out = _shape(node)
+    if not _shape(second):
+        return 0
+    return 2 * math.prod(out) * inner
+
+
+def _convolution_flops(node: fx.Node) -> int:
+    """2 * output elements * (input channels / groups) * kernel elements."""
+    weight = node.args[1] if node.target is aten.convolution.default else node.args[2]
+    weight_shape = _shape(weight)
+    if node.target is aten.convolution.default:
+        out = _shape(node)
+    else:  # convolution_backward(grad_output, input, weight, ...): grad_output has the output's shape
+        out = _shape(node.args[0])
+    if len(weight_shape) < 2 or not out:
+        return 0
+    return 2 * math.prod(out) * math.prod(weight_shape[1:])

@@ -1,0 +1,182 @@
+"""Backward mirroring: recompute some forward values during backward instead of keeping them.
+
+    tandem.compile(model, loss_fn, x, y, mirror="memory-aware")   # or TANDEM_MIRROR=memory-aware
+
+Policies (see docs/mirroring.md):
+  off           keep everything the backward reads (the default)
+  all           the naive rule: recompute every value not produced by an expensive or random op
+  sqrt          Chen et al. 2016: keep ~sqrt(n) segment boundaries, recompute the rest
+  memory-aware  MXNet's improved rule: mirror a group only if that lowers the bytes kept
+  0.4 / "300MB" a budget (fraction of the off plan's peak, or bytes): the least recompute flops
+                whose peak fits, chosen from a parametric min-cut sweep by simulated peak
+
+The pass only plans. Recompute copies are backward nodes placed just before their first reader,
+marked ``MetaKey.RECOMPUTE_OF``; the executor then measures the real peak. What was decided goes
+to ``graph.notes["memory"]`` (and from there into ``TrainStep.memory_report()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+
+from tandem.env import knob
+from tandem.graph.train_graph import TrainGraph
+from tandem.passes import mirror_select as select
+from tandem.passes.mirror_graph import ForwardView
+from tandem.passes.mirror_rewrite import (
+    Share,
+    SimulatedMemory,
+    insert_recompute,
+    share_all,
+    share_expensive,
+    simulate,
+)
+
+log = logging.getLogger("tandem")
+
+NAMED_POLICIES = ("off", "all", "sqrt", "memory-aware")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class MirrorPolicy:
+    """A parsed ``mirror=`` option: a named policy, or a budget (fraction of off's peak, or bytes)."""
+
+    name: str  # one of NAMED_POLICIES, or "budget"
+    fraction: float | None = None
+    budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in (*NAMED_POLICIES, "budget"):
+            raise ValueError(f"unknown mirroring policy {self.name!r}; {_HELP}")
+        if self.name == "budget" and (self.fraction is None) == (self.budget_bytes is None):
+            raise ValueError("a budget policy needs exactly one of fraction or budget_bytes")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise ValueError(f"mirror={self.fraction}: a fractional budget must lie in (0, 1]; {_HELP}")
+        if self.budget_bytes is not None and self.budget_bytes <= 0:
+            raise ValueError(f"mirror budget must be a positive number of bytes, got {self.budget_bytes}")
+
+    @staticmethod
+    def parse(value: str | float | None) -> MirrorPolicy:
+        """None -> TANDEM_MIRROR (default "off"); explicit values beat the env knob."""
+        if value is None:
+            value = knob("TANDEM_MIRROR")
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise TypeError(f"mirror={value!r} has type {type(value).__name__}; {_HELP}")
+        if isinstance(value, int | float):
+            return MirrorPolicy("budget", fraction=float(value))
+        text = value.strip().lower()
+        if text in NAMED_POLICIES:
+            return MirrorPolicy(text)
+        if text in ("", "none", "0", "false"):
+            return MirrorPolicy("off")
+        match = _BYTES.match(text)
+        if match is None or match.group(2) not in _UNITS:
+            raise ValueError(f"mirror={value!r} is not a mirroring policy; {_HELP}")
+        number, unit = float(match.group(1)), match.group(2)
+        if not unit and number <= 1:
+            return MirrorPolicy("budget", fraction=number)
+        return MirrorPolicy("budget", budget_bytes=int(number * _UNITS[unit]))
+
+    def __str__(self) -> str:
+        if self.name != "budget":
+            return self.name
+        return f"budget {self.fraction:g} of off" if self.fraction is not None else f"budget {self.budget_bytes} bytes"
+
+
+_HELP = "use 'off', 'all', 'sqrt', 'memory-aware', a fraction of the unmirrored peak like 0.4, or bytes like '300MB'"
+
+
+@dataclass
+class Plan:
+    """One candidate: the values to recompute, and what recomputing them costs and saves."""
+
+    graph: TrainGraph
+    mirrored: set[str]
+    recompute_flops: int
+    memory: SimulatedMemory
+
+
+def mirror_pass(graph: TrainGraph, config: Any) -> TrainGraph:
+    """Plan recomputation for ``config.mirror``; returns a new graph (the input is not changed)."""
+    policy = MirrorPolicy.parse(getattr(config, "mirror", None))
+    view = ForwardView(graph)
+    off = simulate(graph)
+    notes: dict[str, Any] = {"policy": str(policy), "estimated_peak_bytes_off": off.peak_bytes}
+    if policy.name == "off":
+        plan = Plan(graph, set(), 0, off)
+    elif policy.name == "budget":
+        plan = _fit_budget(graph, view, policy, off, notes)
+    else:
+        plan = _named(graph, view, policy.name)
+        if policy.name == "memory-aware" and plan.memory.peak_bytes > off.peak_bytes:
+            notes["fell_back_to_off"] = True  # the rule's byte check is local; the peak is global
+            plan = Plan(graph, set(), 0, off)
+    notes.update(
+        recompute_flops=plan.recompute_flops,
+        mirrored=len(plan.mirrored),
+        estimated_peak_bytes=plan.memory.peak_bytes,
+        saved_bytes_by_policy=_saved_by_policy(view),
+    )
+    plan.graph.notes["memory"] = {**plan.graph.notes.get("memory", {}), **notes}
+    return plan.graph
+
+
+def _named(graph: TrainGraph, view: ForwardView, name: str) -> Plan:
+    if name == "all":
+        return build(graph, select.naive(view), share_all)
+    if name == "sqrt":
+        return build(graph, select.sqrt_checkpoints(view), share_all)
+    return build(graph, select.memory_aware(view), share_expensive)
+
+
+def build(graph: TrainGraph, mirrored: set[fx.Node], share: Share) -> Plan:
+    """Apply a decision to a copy of the graph and simulate its memory."""
+    names = {n.name for n in mirrored}
+    if not names:
+        return Plan(graph, names, 0, simulate(graph))
+    planned = graph.clone()
+    flops = insert_recompute(planned, names, share)
+    return Plan(planned, names, flops, simulate(planned))
+
+
+def _fit_budget(graph: TrainGraph, view: ForwardView, policy: MirrorPolicy, off: SimulatedMemory,
+                notes: dict[str, Any]) -> Plan:
+    """The least recompute whose simulated peak fits; candidates from a parametric min-cut sweep.
+
+    Min-cut is exact for "kept bytes + price x flops"; sweeping the price traces the trade-off
+    curve, and simulating each point checks the real objective (the peak, which is not additive).
+    """
+    budget = policy.budget_bytes if policy.budget_bytes is not None else int(policy.fraction * off.peak_bytes)  # type: ignore[operator]
+    decisions = [set(), select.memory_aware(view)] + [select.min_cut(view, p) for p in select.price_sweep()]
+    plans: dict[frozenset[str], Plan] = {}
+    for decision in decisions:
+        key = frozenset(n.name for n in decision)
+        if key not in plans:
+            plans[key] = build(graph, decision, share_expensive)
+    fitting = [p for p in plans.values() if p.memory.peak_bytes <= budget]
+    if fitting:
+        plan = min(fitting, key=lambda p: (p.recompute_flops, p.memory.peak_bytes))
+    else:
+        plan = min(plans.values(), key=lambda p: (p.memory.peak_bytes, p.recompute_flops))
+        log.warning("tandem: no mirroring plan fits the budget of %d bytes; the smallest peak found is %d bytes "
+                    "(raise the budget or the batch is too large)", budget, plan.memory.peak_bytes)
+    notes.update(budget_bytes=budget, budget_met=bool(fitting), plans_considered=len(plans))
+    return plan
+
+
+def _saved_by_policy(view: ForwardView) -> dict[str, int]:
+    """Estimated activation bytes kept from forward to backward under each named policy."""
+    decisions = {
+        "off": set(),
+        "all": select.naive(view),
+        "sqrt": select.sqrt_checkpoints(view),
+        "memory-aware": select.memory_aware(view),
+    }
+    return {name: view.bytes_of(view.held(decision)) for name, decision in decisions.items()}

@@ -1,0 +1,126 @@
+"""Turning a mirroring decision into graph nodes, and predicting the memory the result will use.
+
+``insert_recompute`` adds, for each backward read of a mirrored value, a recompute copy just
+before that read, so the copy is born late and dies early. ``simulate`` replays the executor's
+slot program (free after last use, storages shared by views) without running any op: it is the
+estimate plans are compared by; the executor still *measures* the real peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from tandem.graph import cost
+from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
+from tandem.passes.mirror_graph import StorageKey, storage_keys
+
+
+@dataclass(frozen=True)
+class SimulatedMemory:
+    peak_bytes: int
+    saved_bytes: int  # live bytes when the backward starts
+
+
+def simulate(graph: TrainGraph) -> SimulatedMemory:
+    """Peak and boundary bytes of intermediate storages, as Executor.run_measured would count them."""
+    nodes = graph.op_nodes()
+    outputs = set(graph.outputs())
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        for source in node.all_input_nodes:
+            last_use[source] = node
+    frees: dict[fx.Node, list[fx.Node]] = {}
+    for value, user in last_use.items():
+        if value.op != "placeholder" and value not in outputs:
+            frees.setdefault(user, []).append(value)
+    key_bytes: dict[StorageKey, int] = {}
+    keys = {node: storage_keys(node, key_bytes) for node in nodes}
+    references: dict[StorageKey, int] = {}
+    live = peak = 0
+    saved = None
+
+    def release(value: fx.Node) -> int:
+        freed = 0
+        for key in keys[value]:
+            references[key] -= 1
+            if references[key] == 0:
+                del references[key]
+                freed += key_bytes[key]
+        return freed
+
+    for node in nodes:
+        if saved is None and graph.phase_of(node) == Phase.BACKWARD:
+            saved = live
+        for key in keys[node]:
+            references[key] = references.get(key, 0) + 1
+            live += key_bytes[key] if references[key] == 1 else 0
+        peak = max(peak, live)
+        for value in frees.get(node, []):
+            live -= release(value)
+        if node not in last_use and node not in outputs:  # dead on arrival
+            live -= release(node)
+    return SimulatedMemory(peak_bytes=peak, saved_bytes=live if saved is None else saved)
+
+
+Share = Callable[[fx.Node], bool]
+
+
+def share_all(node: fx.Node) -> bool:
+    """Chen-style: one recompute copy per value, reused by every later backward read."""
+    return True
+
+
+def share_expensive(node: fx.Node) -> bool:
+    """Cheap copies are redone per backward read (no copy lives long); costly ones are shared."""
+    return cost.is_expensive(node)
+
+
+def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int:
+    """Redirect every backward read of a mirrored forward value to a recompute copy; returns flops.
+
+    A copy is placed just before the backward node that first needs it. A value the backward
+    reads several times keeps one *direct* copy until its last read (as the original would have
+    lived). Copies made only to feed another recompute are redone per read point unless
+    ``share`` says the op is worth keeping: sharing a cheap copy would keep it alive from the
+    first read of its consumer to its own last read, which can cost more than it saves.
+    """
+    backward = [n for n in graph.op_nodes() if graph.phase_of(n) == Phase.BACKWARD]
+    position = {node: i for i, node in enumerate(backward)}
+    last_read: dict[str, int] = {}
+    for node in backward:
+        for source in node.all_input_nodes:
+            if source.name in mirrored:
+                last_read[source.name] = position[node]
+    live: dict[str, tuple[fx.Node, int]] = {}  # name -> (copy, last position it may be reused at)
+    flops = 0
+
+    def copy_of(value: fx.Node, reader: fx.Node, memo: dict[str, fx.Node]) -> fx.Node:
+        nonlocal flops
+        here = position[reader]
+        if value.name in memo:
+            return memo[value.name]
+        held = live.get(value.name)
+        if held is not None and held[1] >= here:
+            return held[0]
+        inputs = {a: copy_of(a, reader, memo) for a in value.all_input_nodes if a.name in mirrored}
+        with graph.graph.inserting_before(reader):
+            copy = graph.graph.node_copy(value, lambda a: inputs.get(a, a))
+        copy.meta = {**value.meta, MetaKey.PHASE: Phase.BACKWARD, MetaKey.RECOMPUTE_OF: value.name}
+        flops += cost.flops(value)
+        memo[value.name] = copy
+        if share(value):
+            live[value.name] = (copy, max(here, last_read.get(value.name, here)))
+        return copy
+
+    for reader in backward:
+        memo: dict[str, fx.Node] = {}
+        for source in list(reader.all_input_nodes):
+            if source.name in mirrored:
+                copy = copy_of(source, reader, memo)
+                live[source.name] = (copy, last_read[source.name])
+                reader.replace_input_with(source, copy)
+    graph.graph.lint()
+    return flops
