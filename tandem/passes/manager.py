@@ -42,7 +42,9 @@ def run_passes(graph: TrainGraph, passes: list[tuple[str, Pass]], config: Any) -
 
 def default_passes(config: Any) -> list[tuple[str, Pass]]:
     """The planning pipeline, in order. Each pass reads only its own part of the config."""
-    return []
+    from tandem.passes.mirror import mirror_pass
+
+    return [("mirror", mirror_pass)]
 
 
 def plan(graph: TrainGraph, config: Any) -> TrainGraph:
