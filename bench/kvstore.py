@@ -1,0 +1,247 @@
+"""KVStore throughput on loopback: push+pull of one tensor, beside a raw ZeroMQ echo and a gloo allreduce.
+
+Cases, all measured in one run and interleaved round by round (median of --runs rounds):
+- raw zmq: send N bytes to an echo process (DEALER -> ROUTER) and receive them back, zero-copy;
+- kvstore 1s / 2s: a ``dist_sync`` store with one worker (this process) and 1 or 2 server
+  processes: ``push`` then ``pull`` of an N-byte float32 tensor (the result copied into ``out``);
+  ``pushpull`` (one message each way) is shown too;
+- gloo: ``torch.distributed.all_reduce`` of N bytes between this process and one helper.
+Throughput is N / (time of one round trip); every case moves N bytes out and N bytes back.
+Arrays of >= 1M elements (4 MB) are split over the servers, as ps-lite does.
+
+Reproduce: .venv/bin/python bench/kvstore.py  (options: --runs, --sizes; see --help)
+Writes bench/out/kvstore.png and bench/out/kvstore.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import zmq
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from anywhere without installing
+
+from bench.common import bar_plot, command_line, markdown_table, write_report  # noqa: E402
+from tandem.kvstore.dist.topology import DistOptions, Topology  # noqa: E402
+from tandem.kvstore.dist.worker import DistKVStore  # noqa: E402
+
+KIB, MIB = 1024, 1024 * 1024
+DEFAULT_SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
+TARGET_SECONDS = 0.15  # per case per round: enough repetitions to average out timer noise
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_NUM_THREADS": "1", **extra}
+
+
+def echo_main(port_file: str) -> None:
+    """Child: echo every multipart message back to its sender, zero-copy."""
+    socket = zmq.Context().socket(zmq.ROUTER)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    Path(port_file).write_text(str(port))
+    while True:
+        frames = socket.recv_multipart(copy=False)
+        if len(frames) == 2 and frames[1].bytes == b"stop":
+            return
+        socket.send_multipart(frames, copy=False)
+
+
+def gloo_main(port: int) -> None:
+    """Child: rank 1 of a gloo group; runs as many all_reduces of as many bytes as rank 0 announces."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=1, world_size=2)
+    order = torch.zeros(2, dtype=torch.int64)
+    while True:
+        dist.broadcast(order, src=0)
+        nbytes, count = int(order[0]), int(order[1])
+        if nbytes == 0:
+            break
+        data = torch.ones(nbytes // 4)
+        for _ in range(count):
+            dist.all_reduce(data)
+    dist.destroy_process_group()
+
+
+class Processes:
+    """Children of the benchmark; all stopped at exit."""
+
+    def __init__(self) -> None:
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: list[str], env: dict[str, str]) -> None:
+        self.children.append(subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT))
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.terminate()
+        for child in self.children:
+            child.wait(timeout=10)
+
+
+def raw_echo(processes: Processes, tmp: Path) -> tuple[zmq.Socket, Callable[[memoryview], None]]:
+    port_file = tmp / "echo.port"
+    processes.start([__file__, "--child", "echo", str(port_file)], _child_env())
+    deadline = time.monotonic() + 60
+    while not port_file.exists() or not port_file.read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the echo process did not start within 60 s")
+        time.sleep(0.05)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(f"tcp://127.0.0.1:{port_file.read_text()}")
+
+    def round_trip(payload: memoryview) -> None:
+        socket.send(payload, copy=payload.nbytes < 65536)
+        socket.recv(copy=False)
+
+    return socket, round_trip
+
+
+def kvstore_job(processes: Processes, servers: int) -> tuple[DistKVStore, dist.TCPStore]:
+    """This process as the only worker of a dist_sync job with ``servers`` server processes."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    env = _child_env(TANDEM_NUM_WORKERS="1", TANDEM_NUM_SERVERS=str(servers), TANDEM_MASTER_ADDR="127.0.0.1",
+                     TANDEM_MASTER_PORT=str(store.port), TANDEM_ROLE="server")  # fmt: skip
+    for rank in range(servers):
+        processes.start(["-m", "tandem.kvstore.dist"], {**env, "TANDEM_RANK": str(rank)})
+    topology = Topology("worker", 0, 1, servers, "127.0.0.1", store.port, servers + 1)
+    return DistKVStore(topology, DistOptions.from_env("dist_sync")), store
+
+
+def gloo_group(processes: Processes) -> dist.TCPStore:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    processes.start([__file__, "--child", "gloo", str(store.port)], _child_env())
+    dist.init_process_group("gloo", store=store, rank=0, world_size=2)
+    return store
+
+
+def gloo_allreduce(data: torch.Tensor, count: int) -> None:
+    dist.broadcast(torch.tensor([data.numel() * 4, count]), src=0)
+    for _ in range(count):
+        dist.all_reduce(data)
+
+
+def measure(cases: dict[str, Callable[[int], None]], count: int, runs: int) -> dict[str, float]:
+    """Median seconds per operation of each case; one batch of ``count`` operations per case per round."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for case in cases.values():
+        case(1)  # warm up: connections, first allocation
+    for _ in range(runs):
+        for name, case in cases.items():
+            start = time.perf_counter()
+            case(count)
+            samples[name].append((time.perf_counter() - start) / count)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def size_cases(size: int, echo: Callable[[memoryview], None], stores: dict[str, DistKVStore]) -> dict[str, Callable[[int], None]]:
+    numel = size // 4
+    payload = memoryview(torch.ones(numel).numpy()).cast("B")
+    value, out, data = torch.ones(numel), torch.empty(numel), torch.ones(numel)
+
+    def repeat(operation: Callable[[], None]) -> Callable[[int], None]:
+        def loop(count: int) -> None:
+            for _ in range(count):
+                operation()
+
+        return loop
+
+    cases: dict[str, Callable[[int], None]] = {"raw zmq": repeat(lambda: echo(payload))}
+    for label, kv in stores.items():
+        key = f"bench-{size}"
+        kv.init(key, value)
+
+        def push_pull(kv: DistKVStore = kv, key: str = key) -> None:
+            kv.push(key, value)
+            kv.pull(key, out).wait()
+
+        cases[f"kvstore {label} push+pull"] = repeat(push_pull)
+        cases[f"kvstore {label} pushpull"] = repeat(lambda kv=kv, key=key: kv.pushpull(key, value, out=out).wait())
+    cases["gloo allreduce"] = lambda count: gloo_allreduce(data, count)
+    return cases
+
+
+def run(sizes: list[int], runs: int, tmp: Path) -> dict[int, dict[str, float]]:
+    processes = Processes()
+    try:
+        _, echo = raw_echo(processes, tmp)
+        (kv1, store1), (kv2, store2) = kvstore_job(processes, 1), kvstore_job(processes, 2)
+        gloo_store = gloo_group(processes)
+        results: dict[int, dict[str, float]] = {}
+        for size in tqdm(sizes, desc="sizes", unit="size"):
+            seconds = measure(size_cases(size, echo, {"1s": kv1, "2s": kv2}), _count(size), runs)
+            results[size] = {name: size / value / 1e9 for name, value in seconds.items()}
+        dist.broadcast(torch.tensor([0, 0]), src=0)  # tells the gloo helper to stop
+        dist.destroy_process_group()
+        kv1.close()
+        kv2.close()
+        del store1, store2, gloo_store
+        return results
+    finally:
+        processes.stop()
+
+
+def _count(size: int) -> int:
+    """Operations per timed batch: about TARGET_SECONDS at ~1 GB/s, at least 3."""
+    return max(3, min(300, int(TARGET_SECONDS * 1e9 / max(size, 1) / 2)))
+
+
+def _label(size: int) -> str:
+    return f"{size // MIB} MB" if size >= MIB else f"{size // KIB} KB"
+
+
+def report(results: dict[int, dict[str, float]], runs: int) -> str:
+    names = list(next(iter(results.values())))
+    headers = ["size", *[f"{name} GB/s" for name in names], "push+pull 1s / raw", "push+pull 2s / raw", "pushpull 1s / raw"]
+    rows = []
+    for size, throughput in results.items():
+        raw = throughput["raw zmq"]
+        ratios = [throughput["kvstore 1s push+pull"] / raw, throughput["kvstore 2s push+pull"] / raw,
+                  throughput["kvstore 1s pushpull"] / raw]  # fmt: skip
+        rows.append([_label(size), *[throughput[name] for name in names], *[f"{ratio:.0%}" for ratio in ratios]])
+    table = markdown_table(headers, rows)
+    note = f"Medians of {runs} interleaved rounds; GB/s = tensor bytes / round-trip time (1e9 bytes per GB)."
+    return f"{table}\n\n{note}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=7, help="rounds per size (median; >= 5)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="tensor sizes in bytes")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        role, argument = args.child
+        echo_main(argument) if role == "echo" else gloo_main(int(argument))
+        return
+    if args.runs < 5:
+        parser.error("--runs must be >= 5 (medians)")
+    torch.set_num_threads(1)
+    print(f"command: {command_line()}")
+    tmp = ROOT / "bench" / "out" / "kvstore-tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    results = run(args.sizes, args.runs, tmp)
+    text = report(results, args.runs)
+    print(text)
+    path = write_report("kvstore", text)
+    labels = [_label(size) for size in results]
+    series = {name: [results[size][name] for size in results] for name in next(iter(results.values()))}
+    plot = bar_plot("kvstore", "push+pull throughput on loopback (1 worker)", labels, series, "GB/s")
+    print(f"wrote {path} and {plot}")
+
+
+if __name__ == "__main__":
+    main()
