@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from tandem.engine import Engine, Var, get_engine
 from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
 
 GradientHook = Callable[[str, torch.Tensor], None]
@@ -39,10 +42,28 @@ class Segment:
     instructions: list[Instruction]
     function: Callable[[list[Any]], None] = field(repr=False, default=lambda v: None)
     gradients: list[str] = field(default_factory=list)  # parameters whose gradient this segment finishes
+    parameters: list[str] = field(default_factory=list)  # parameters this segment reads
+
+    @property
+    def name(self) -> str:
+        return f"{self.phase}[{self.index}]"
 
     @property
     def num_nodes(self) -> int:
         return len(self.instructions)
+
+
+@dataclass
+class RunReport:
+    """What one step did: its segments, the engine ops it pushed, when each gradient was ready."""
+
+    nodes_per_segment: list[int]
+    engine_ops: int = 0
+    gradient_ready_s: dict[str, float] = field(default_factory=dict)  # seconds after the step began
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.nodes_per_segment)
 
 
 @dataclass
@@ -68,10 +89,15 @@ class Executor:
         self.output_slots = [self._slot[n] for n in outputs]
         self.segments = self._segments(op_nodes, set(outputs))
         grad_names = {node: name for name, node in train_graph.grads.items()}
+        param_names = {node: name for name, node in train_graph.param_nodes.items()}
         for segment in self.segments:
             segment.gradients = [grad_names[i.node] for i in segment.instructions if i.node in grad_names]
+            read = {param_names[a] for i in segment.instructions for a in i.node.all_input_nodes if a in param_names}
+            segment.parameters = [n for n in train_graph.param_names if n in read]
             segment.function = _generate(segment, self._slot)
         self.hooks: list[GradientHook] = []
+        self.last_report: RunReport | None = None
+        self._done = Var("step")  # every segment writes it: segments run in graph order
 
     # -- planning the program ----------------------------------------------------------------
     def _segments(self, op_nodes: list[fx.Node], outputs: set[fx.Node]) -> list[Segment]:
@@ -99,18 +125,33 @@ class Executor:
             raise ValueError(f"the graph takes {self.num_inputs} inputs, got {len(inputs)}")
         return list(inputs) + [None] * (self.num_slots - self.num_inputs)
 
-    def run_segment(self, segment: Segment, slots: list[Any]) -> None:
-        """Run one segment, then announce the gradients it finished (the communication hook)."""
-        segment.function(slots)
-        self._announce(segment, slots)
+    def run(self, inputs: Sequence[torch.Tensor], engine: Engine | None = None,
+            parameter_vars: dict[str, Var] | None = None, timeout: float | None = None) -> list[Any]:
+        """Push one engine op per segment and wait for the last; returns the canonical outputs.
 
-    def run(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
-        """Run every segment in order on the calling thread; returns the canonical outputs."""
+        A segment also reads the var of each parameter it uses (``parameter_vars``), so an op that
+        writes a parameter (a pull from the parameter server) holds back exactly the segments that
+        need it. Gradient hooks run on the engine's thread when their segment ends.
+        """
+        engine = engine if engine is not None else get_engine()
         slots = self.new_slots(inputs)
-        with torch.no_grad():
-            for segment in self.segments:
-                self.run_segment(segment, slots)
+        report = RunReport(self.segment_sizes(), engine_ops=len(self.segments))
+        start = time.perf_counter()
+        for segment in self.segments:
+            reads = [parameter_vars[n] for n in segment.parameters if n in parameter_vars] if parameter_vars else []
+            engine.push(partial(self._run_segment, segment, slots, report, start), reads=reads,
+                        writes=(self._done,), name=segment.name, segment=segment.index)
+        engine.wait(self._done, timeout)  # sync point: every segment of this step has finished
+        self.last_report = report
         return [slots[i] for i in self.output_slots]
+
+    def _run_segment(self, segment: Segment, slots: list[Any], report: RunReport, start: float) -> None:
+        with torch.no_grad():  # grad mode is per thread: engine workers must not record autograd
+            segment.function(slots)
+        if segment.gradients:
+            now = time.perf_counter() - start
+            report.gradient_ready_s.update((name, now) for name in segment.gradients)
+            self._announce(segment, slots)
 
     def run_measured(self, inputs: Sequence[torch.Tensor]) -> tuple[list[Any], MemoryStats]:
         """Like run(), interpreting node by node and counting live intermediate bytes."""

@@ -41,10 +41,14 @@ def run_passes(graph: TrainGraph, passes: list[tuple[str, Pass]], config: Any) -
 
 
 def default_passes(config: Any) -> list[tuple[str, Pass]]:
-    """The planning pipeline, in order. Each pass reads only its own part of the config."""
-    from tandem.passes.mirror import mirror_pass
+    """The planning pipeline, in order. Each pass reads only its own part of the config.
 
-    return [("mirror", mirror_pass)]
+    Bulking runs last: recompute nodes that mirroring inserts belong to backward segments.
+    """
+    from tandem.passes.mirror import mirror_pass
+    from tandem.passes.segments import bulk_pass
+
+    return [("mirror", mirror_pass), ("bulk", bulk_pass)]
 
 
 def plan(graph: TrainGraph, config: Any) -> TrainGraph:

@@ -1,0 +1,112 @@
+"""Bulked graph execution: segment structure, knobs, and results identical to the unbulked executor."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+import tandem
+from tandem.engine import NaiveEngine, ThreadedEngine, set_engine
+from tandem.graph.train_graph import MetaKey, Phase
+from tandem.passes.segments import WHOLE, resolve_caps
+from tests.conftest import zoo_case
+
+
+def _segments(step: tandem.TrainStep) -> list[list]:
+    by_segment: dict[int, list] = {}
+    for node in step.graph.op_nodes():
+        by_segment.setdefault(node.meta[MetaKey.SEGMENT], []).append(node)
+    return [by_segment[k] for k in sorted(by_segment)]
+
+
+@pytest.mark.parametrize("cap", [1, 2, 15, WHOLE])
+def test_bulked_results_identical_to_unbulked(zoo_name: str, cap: int) -> None:
+    module, loss_fn, batch = zoo_case(zoo_name, torch.float32)
+    unbulked = tandem.compile(module, loss_fn, *batch, bulk=False)
+    bulked = tandem.compile(module, loss_fn, *batch, bulk_fwd=cap, bulk_bwd=cap)
+    for step in (unbulked, bulked):
+        step(*batch)  # the first step is the measured one; compare the engine path after it
+    torch.manual_seed(3)
+    expected = unbulked(*batch)
+    torch.manual_seed(3)
+    result = bulked(*batch)
+    assert torch.equal(result.loss, expected.loss)
+    for name, grad in expected.grads.items():
+        assert torch.equal(result.grads[name], grad), name
+    assert bulked.executor.last_report.engine_ops == len(_segments(bulked))
+
+
+def test_segments_respect_caps_and_phases() -> None:
+    module, loss_fn, batch = zoo_case("lstm_lm", torch.float32)
+    step = tandem.compile(module, loss_fn, *batch, bulk_fwd=4, bulk_bwd=9)
+    segments = _segments(step)
+    for nodes in segments:
+        phases = {step.graph.phase_of(n) for n in nodes}
+        assert len(phases) == 1, "a segment never spans forward and backward"
+        counted = [n for n in nodes if n.target is not operator.getitem]
+        assert len(counted) <= (4 if phases == {Phase.FORWARD} else 9)
+    counted_sizes = [sum(n.target is not operator.getitem for n in s) for s in segments]
+    forward = [size for size, s in zip(counted_sizes, segments) if step.graph.phase_of(s[0]) == Phase.FORWARD]
+    assert forward[:-1] == [4] * (len(forward) - 1), "segments fill up: placeholders never cut or count"
+
+
+def test_whole_graph_is_one_segment_per_phase() -> None:
+    module, loss_fn, batch = zoo_case("resnet", torch.float32)
+    step = tandem.compile(module, loss_fn, *batch, bulk_fwd=WHOLE, bulk_bwd=WHOLE)
+    step(*batch)
+    step(*batch)
+    assert step.executor.last_report.num_segments == 2
+
+
+def test_unbulked_is_one_node_per_segment() -> None:
+    module, loss_fn, batch = zoo_case("mlp", torch.float32)
+    step = tandem.compile(module, loss_fn, *batch, bulk=False)
+    assert all(sum(n.target is not operator.getitem for n in s) == 1 for s in _segments(step))
+
+
+def test_env_knobs_and_explicit_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_caps(None, None, None).forward == 15
+    monkeypatch.setenv("TANDEM_BULK_MAX_NODE_TRAIN", "7")
+    monkeypatch.setenv("TANDEM_BULK_MAX_NODE_TRAIN_BWD", "3")
+    caps = resolve_caps(None, None, None)
+    assert (caps.forward, caps.backward) == (7, 3)
+    assert resolve_caps(None, 5, None).forward == 5, "explicit options beat env vars"
+    monkeypatch.setenv("TANDEM_BULK_TRAIN", "0")
+    assert resolve_caps(None, None, None) == resolve_caps(False, 50, 50)
+    assert resolve_caps(None, None, None).forward == 1
+    monkeypatch.setenv("TANDEM_BULK_TRAIN", "maybe")
+    with pytest.raises(ValueError, match="TANDEM_BULK_TRAIN='maybe'"):
+        resolve_caps(None, None, None)
+
+
+def test_step_report_gradient_ready_times_in_backward_order() -> None:
+    module, loss_fn, batch = zoo_case("mlp", torch.float32)
+    step = tandem.compile(module, loss_fn, *batch, bulk_bwd=1)
+    step(*batch)
+    seen: list[str] = []
+    step.add_gradient_hook(lambda name, grad: seen.append(name))
+    step(*batch)
+    report = step.executor.last_report
+    assert set(report.gradient_ready_s) == set(step.graph.grads) == set(seen)
+    ready = sorted(report.gradient_ready_s, key=report.gradient_ready_s.get)
+    assert ready == seen
+    assert ready[-1].startswith("layers.0") or ready[-1] == next(iter(step.graph.grads)), "the first layer's gradient comes last"
+
+
+def test_naive_and_threaded_engines_agree() -> None:
+    module, loss_fn, batch = zoo_case("gpt", torch.float32)
+    results = []
+    for engine in (NaiveEngine(), ThreadedEngine(compute_threads=2)):
+        set_engine(engine)
+        try:
+            step = tandem.compile(module, loss_fn, *batch, bulk_fwd=3, bulk_bwd=3)
+            step(*batch)
+            torch.manual_seed(5)
+            results.append(step(*batch))
+        finally:
+            set_engine(None)
+    assert torch.equal(results[0].loss, results[1].loss)
+    for name in results[0].grads:
+        assert torch.equal(results[0].grads[name], results[1].grads[name]), name
