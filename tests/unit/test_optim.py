@@ -44,21 +44,30 @@ CASES: dict[str, tuple[Callable[[], Optimizer], TorchFactory]] = {
 }
 
 
+def run_side_by_side(
+    optimizers: list[Optimizer], make_torch: TorchFactory, dtypes: list[torch.dtype], seed: int, steps: int
+) -> tuple[list[list[Tensor]], list[list[dict[str, Tensor]]], list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """Run each tandem optimizer and a torch one from the same start on the same gradients."""
+    initial = make_tensors(dtypes, seed=seed, count=9)
+    params = [[param.clone() for param in initial] for _ in optimizers]
+    states = [[optimizer.create_state(param) for param in initial] for optimizer in optimizers]
+    torch_params = [torch.nn.Parameter(param.clone()) for param in initial]
+    reference = make_torch(torch_params)
+    for step in range(steps):
+        grads = make_tensors(dtypes, seed=seed + 100 + step, count=9)
+        for holder, grad in zip(torch_params, grads):
+            holder.grad = grad.clone()
+        for optimizer, own_params, own_states in zip(optimizers, params, states):
+            optimizer.update(own_params, grads, own_states)
+        reference.step()
+    return params, states, torch_params, reference
+
+
 @pytest.mark.parametrize("dtypes", [[torch.float64], [torch.float32], MIXED], ids=["float64", "float32", "mixed"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_torch_optimizer(case: str, dtypes: list[torch.dtype]) -> None:
     make_ours, make_torch = CASES[case]
-    ours = make_ours()
-    params = make_tensors(dtypes, seed=1, count=9)
-    torch_params = [torch.nn.Parameter(param.clone()) for param in params]
-    reference = make_torch(torch_params)
-    states = [ours.create_state(param) for param in params]
-    for step in range(4):
-        grads = make_tensors(dtypes, seed=100 + step, count=9)
-        for holder, grad in zip(torch_params, grads):
-            holder.grad = grad.clone()
-        ours.update(params, grads, states)
-        reference.step()
+    ([params], [states], torch_params, reference) = run_side_by_side([make_ours()], make_torch, dtypes, seed=1, steps=4)
     # Same foreach formula order as torch: equal, not merely close (float64 at torch's tight tolerance).
     for ours_param, torch_param in zip(params, torch_params):
         torch.testing.assert_close(ours_param, torch_param.detach())
@@ -86,20 +95,8 @@ FUSED_CASES: dict[str, tuple[Callable[[], Optimizer], TorchFactory]] = {
 def test_fused_kernels_match_torch_fused_and_foreach(case: str) -> None:
     make_ours, make_torch = FUSED_CASES[case]
     ours = make_ours()
-    params = make_tensors(MIXED, seed=7, count=9)
-    foreach_params = [param.clone() for param in params]
-    torch_params = [torch.nn.Parameter(param.clone()) for param in params]
-    reference = make_torch(torch_params)
     foreach = type(ours).from_config({**ours.to_config(), "fused": False})
-    states = [ours.create_state(param) for param in params]
-    foreach_states = [foreach.create_state(param) for param in params]
-    for step in range(3):
-        grads = make_tensors(MIXED, seed=300 + step, count=9)
-        for holder, grad in zip(torch_params, grads):
-            holder.grad = grad.clone()
-        ours.update(params, grads, states)
-        foreach.update(foreach_params, grads, foreach_states)
-        reference.step()
+    ([params, foreach_params], _, torch_params, _) = run_side_by_side([ours, foreach], make_torch, MIXED, seed=7, steps=3)
     for ours_param, torch_param, foreach_param in zip(params, torch_params, foreach_params):
         torch.testing.assert_close(ours_param, torch_param.detach())  # the same kernel as torch's fused=True
         if ours_param.dtype != torch.bfloat16:  # the kernel computes bfloat16 in float32: more exact than foreach
