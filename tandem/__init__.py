@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # Lazy attributes: `import tandem.engine` must not pay for capture machinery and vice versa.
 _LAZY = {
     "compile": ("tandem.step", "compile"),
+    "compile_eval": ("tandem.step", "compile_eval"),
     "TrainStep": ("tandem.step", "TrainStep"),
     "StepResult": ("tandem.step", "StepResult"),
     "Trainer": ("tandem.trainer", "Trainer"),
@@ -29,4 +30,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")
 
 
-__all__ = ["compile", "TrainStep", "StepResult", "Trainer", "__version__"]
+__all__ = ["compile", "compile_eval", "TrainStep", "StepResult", "Trainer", "__version__"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from tandem.errors import BatchMismatchError
 from tandem.executor import Executor, GradientHook, MemoryStats
-from tandem.graph.capture import LossFn, capture
+from tandem.graph.capture import LossFn, capture, capture_inference
 from tandem.graph.train_graph import TensorSpec, TrainGraph
 from tandem.passes.manager import plan
 
@@ -77,7 +77,7 @@ class TrainStep:
     _hooks: list[GradientHook] = field(default_factory=list)
 
     # -- public ------------------------------------------------------------------------------
-    def __call__(self, *batch: torch.Tensor) -> StepResult:
+    def __call__(self, *batch: torch.Tensor) -> Any:
         compiled = self._for_batch(batch)
         params = dict(self.module.named_parameters(remove_duplicate=False))
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
@@ -141,13 +141,16 @@ class TrainStep:
         return self._capture(batch, key)  # type: ignore[arg-type]
 
     def _capture(self, batch: Sequence[torch.Tensor], key: tuple[TensorSpec, ...]) -> _Compiled:
-        graph = plan(capture(self.module, self.loss_fn, batch), self.config)
+        graph = plan(self._trace(batch), self.config)
         executor = Executor(graph)
         executor.hooks = self._hooks
         compiled = self._compiled[key] = _Compiled(graph, executor)
         return compiled
 
-    def _unpack(self, graph: TrainGraph, outputs: list[Any], buffers: dict[str, torch.Tensor]) -> StepResult:
+    def _trace(self, batch: Sequence[torch.Tensor]) -> TrainGraph:
+        return capture(self.module, self.loss_fn, batch)
+
+    def _unpack(self, graph: TrainGraph, outputs: list[Any], buffers: dict[str, torch.Tensor]) -> Any:
         loss = outputs[0]
         count = len(graph.grads)
         grads = dict(zip(graph.grads, outputs[1 : 1 + count]))
@@ -155,6 +158,32 @@ class TrainStep:
             for name, value in zip(graph.buffer_updates, outputs[1 + count :]):
                 buffers[name].copy_(value)  # BatchNorm running stats: written back like eager
         return StepResult(loss=loss, grads=grads)
+
+
+@dataclass
+class EvalResult:
+    loss: torch.Tensor  # 0-dim
+    output: torch.Tensor  # what the module returned (e.g. logits)
+
+
+class EvalStep(TrainStep):
+    """A captured inference step (eval mode, no backward): ``step(*batch) -> EvalResult``.
+
+    The whole graph is one segment unless TANDEM_BULK_INFERENCE=0 (then the forward cap applies).
+    """
+
+    def _trace(self, batch: Sequence[torch.Tensor]) -> TrainGraph:
+        return capture_inference(self.module, self.loss_fn, batch)
+
+    def _unpack(self, graph: TrainGraph, outputs: list[Any], buffers: dict[str, torch.Tensor]) -> Any:
+        return EvalResult(loss=outputs[0], output=outputs[-1])
+
+
+def compile_eval(module: nn.Module, loss_fn: LossFn, *example_batch: torch.Tensor, **options: Any) -> EvalStep:
+    """Capture the eval-mode forward of ``loss_fn(module, *example_batch)`` (loss and module output)."""
+    step = EvalStep(module=module, loss_fn=loss_fn, config=StepConfig.from_options(options))
+    step._for_batch(example_batch)
+    return step
 
 
 def _describe(specs: Sequence[Any]) -> str:

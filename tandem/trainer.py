@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tandem.graph.capture import LossFn
-from tandem.step import StepConfig, StepResult, TrainStep
+from tandem.step import EvalStep, StepConfig, StepResult, TrainStep, compile_eval
 from tandem.step import compile as compile_step
 
 CHECKPOINT_FORMAT = 1
@@ -68,6 +68,7 @@ class Trainer:
         self.epoch = 0
         self.grads: dict[str, torch.Tensor] = {}
         self._train_step: TrainStep | None = None
+        self._eval_step: EvalStep | None = None
         self._states: dict[str, dict[str, torch.Tensor]] = {}
         self._params = dict(module.named_parameters())
         self._distributed = _make_distributed(self) if self.config.kvstore not in (None, "local") else None
@@ -152,22 +153,24 @@ class Trainer:
         return history
 
     def evaluate(self, data: Any) -> dict[str, float]:
-        """Mean loss and accuracy (argmax of the last dim against integer targets) in eval mode."""
-        self.module.eval()
+        """Mean loss and accuracy (argmax of the last dim against integer targets), eval mode.
+
+        Runs a captured inference graph (one segment; TANDEM_BULK_INFERENCE=0 bulks it like training).
+        """
         loss_sum, correct, total, batches = 0.0, 0, 0, 0
-        with torch.no_grad():
-            for batch in self._batches(data, train=False):
-                loss_sum += float(self.loss_fn(self.module, *batch))
-                batches += 1
-                if len(batch) >= 2 and not batch[-1].is_floating_point():
-                    predictions = self.module(*batch[:-1]).argmax(dim=-1)
-                    correct += int((predictions == batch[-1]).sum())
-                    total += batch[-1].numel()
-        self.module.train()
-        result = {"loss": loss_sum / max(batches, 1)}
+        for batch in self._batches(data, train=False):
+            if self._eval_step is None:
+                self._eval_step = compile_eval(self.module, self.loss_fn, *batch, **vars(self.config.step))
+            result = self._eval_step(*batch)
+            loss_sum += float(result.loss)
+            batches += 1
+            if len(batch) >= 2 and not batch[-1].is_floating_point():
+                correct += int((result.output.argmax(dim=-1) == batch[-1]).sum())
+                total += batch[-1].numel()
+        output = {"loss": loss_sum / max(batches, 1)}
         if total:
-            result["accuracy"] = correct / total
-        return result
+            output["accuracy"] = correct / total
+        return output
 
     def _batches(self, data: Any, train: bool) -> Iterable[tuple[torch.Tensor, ...]]:
         if isinstance(data, torch.utils.data.Dataset):

@@ -58,6 +58,61 @@ def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[torch.Tensor]) -
     return _to_train_graph(graph_module, signature, batch, _alias_groups(module))
 
 
+class _EvalModule(_LossModule):
+    """For inference capture: returns (loss, the module's own output) in one forward."""
+
+    def forward(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        seen: list[Any] = []
+        handle = self.module.register_forward_hook(lambda _m, _i, output: seen.append(output))
+        try:
+            (loss,) = super().forward(*batch)
+        finally:
+            handle.remove()
+        if not seen or not isinstance(seen[-1], torch.Tensor):
+            raise CaptureError("inference capture needs loss_fn to call the module once and the module to return a tensor")
+        return (loss, seen[-1])
+
+
+def capture_inference(module: nn.Module, loss_fn: LossFn, batch: Sequence[torch.Tensor]) -> TrainGraph:
+    """Trace the forward of ``loss_fn(module, *batch)`` in eval mode: loss and module output, no backward."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    _check_arguments(module, loss_fn, batch)
+    wrapper = _EvalModule(module, loss_fn)
+    was_training = module.training
+    module.eval()
+    try:
+        with _module_stack(wrapper) as stack, torch.random.fork_rng(devices=[]):
+            try:
+                graph_module, signature = aot_export_module(wrapper, tuple(batch), trace_joint=False)
+            except CaptureError:
+                raise
+            except Exception as error:
+                raise _explain(error, stack) from error
+    finally:
+        module.train(was_training)
+    graph: fx.Graph = graph_module.graph
+    by_name = {n.name: n for n in graph.nodes}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    train_graph = TrainGraph(
+        graph=graph,
+        param_names=[_strip(signature.inputs_to_parameters[n.name]) for n in placeholders if n.name in signature.inputs_to_parameters],
+        buffer_names=[_strip(signature.inputs_to_buffers[n.name]) for n in placeholders if n.name in signature.inputs_to_buffers],
+        input_specs=[TensorSpec.of(t) for t in batch],
+        loss=by_name[signature.user_outputs[0]],
+        grads={},
+        buffer_updates={},
+        model_output=by_name[signature.user_outputs[1]],
+    )
+    _drop_detach(graph)
+    train_graph.set_outputs()
+    graph.eliminate_dead_code()
+    for node in train_graph.op_nodes():
+        node.meta[MetaKey.PHASE] = Phase.FORWARD
+    graph.lint()
+    return train_graph
+
+
 class _UnusedParameter(Exception):
     pass
 

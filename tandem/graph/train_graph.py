@@ -54,6 +54,11 @@ class TrainGraph:
     grads: dict[str, fx.Node]  # parameter name -> gradient node (parameters without gradient absent)
     buffer_updates: dict[str, fx.Node]  # buffer name -> node holding its new value
     notes: dict[str, Any] = field(default_factory=dict)  # what passes decided (policy, budgets, ...)
+    model_output: fx.Node | None = None  # inference graphs: the module's own output (logits)
+
+    @property
+    def inference(self) -> bool:
+        return self.model_output is not None
 
     # -- views ---------------------------------------------------------------------------
     @property
@@ -85,8 +90,10 @@ class TrainGraph:
         return node.meta.get(MetaKey.PHASE, Phase.FORWARD)
 
     def outputs(self) -> list[fx.Node]:
-        """The canonical output layout: loss, gradients (param order), buffer updates (buffer order)."""
-        return [self.loss, *self.grads.values(), *self.buffer_updates.values()]
+        """The canonical output layout: loss, gradients (param order), buffer updates (buffer order),
+        and for inference graphs the module's output."""
+        extra = [self.model_output] if self.model_output is not None else []
+        return [self.loss, *self.grads.values(), *self.buffer_updates.values(), *extra]
 
     def set_outputs(self) -> None:
         """Rewrite the graph's output node to the canonical layout (after a pass replaced nodes)."""
@@ -106,6 +113,7 @@ class TrainGraph:
             grads={k: mapping[v] for k, v in self.grads.items()},
             buffer_updates={k: mapping[v] for k, v in self.buffer_updates.items()},
             notes=copy.deepcopy(self.notes),
+            model_output=mapping[self.model_output] if self.model_output is not None else None,
         )
         for old, new in mapping.items():
             new.meta = dict(old.meta)

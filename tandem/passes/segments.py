@@ -49,7 +49,10 @@ def counts_toward_size(node: object) -> bool:
 
 
 def bulk_pass(graph: TrainGraph, config: object) -> TrainGraph:
+    """Inference graphs are one segment (nothing to overlap), unless TANDEM_BULK_INFERENCE=0."""
     caps = resolve_caps(getattr(config, "bulk", None), getattr(config, "bulk_fwd", None), getattr(config, "bulk_bwd", None))
+    if graph.inference and knob("TANDEM_BULK_INFERENCE"):
+        caps = BulkCaps(WHOLE, WHOLE)
     segment, size, phase = -1, 0, None
     for node in graph.op_nodes():
         node_phase = graph.phase_of(node)

@@ -148,3 +148,23 @@ def test_capture_leaves_the_rng_stream_alone() -> None:
     before = torch.get_rng_state()
     tandem.compile(module, loss_fn, *batch)
     assert torch.equal(before, torch.get_rng_state()), "compile must not draw from the user's RNG"
+
+
+def test_inference_capture_matches_eager_eval(zoo_name: str) -> None:
+    module, loss_fn, batch = zoo_case(zoo_name)
+    reference = twin(module).eval()
+    step = tandem.compile_eval(module, loss_fn, *batch)
+    result = step(*batch)
+    with torch.no_grad():
+        torch.testing.assert_close(result.loss, loss_fn(reference, *batch), **TOLERANCE[torch.float64])
+        torch.testing.assert_close(result.output, reference(*batch[:-1]), **TOLERANCE[torch.float64])
+    assert module.training, "capturing in eval mode restores the module's mode"
+    assert all(graph_phase == Phase.FORWARD for graph_phase in map(step.graph.phase_of, step.graph.op_nodes()))
+    assert len(step.executor.segments) == 1, "inference runs as one segment"
+
+
+def test_inference_bulking_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_BULK_INFERENCE", "0")
+    module, loss_fn, batch = zoo_case("resnet")
+    step = tandem.compile_eval(module, loss_fn, *batch, bulk_fwd=3)
+    assert len(step.executor.segments) > 1
