@@ -12,6 +12,7 @@ import argparse
 import gc
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -90,7 +91,7 @@ def main() -> None:
         candidates, counts = {}, {}
         for setting, forward, backward in settings():
             executor = Executor(plan(captured.clone(), StepConfig(bulk_fwd=forward, bulk_bwd=backward)))
-            candidates[setting] = (lambda e=executor: e.run(inputs))
+            candidates[setting] = partial(executor.run, inputs)
             counts[setting] = len(executor.segments)
         gc.collect()
         gc.freeze()  # the planned graphs are long-lived: keep cyclic GC from rescanning them mid-timing

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,6 +24,11 @@ CASES = {
     "gpt": (dict(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.1), {}, 16),
     "lstm_lm": (dict(vocab_size=1000, embed_dim=128, hidden=128, num_layers=2), dict(seq_len=35), 32),
 }
+
+
+def eager_step(module: torch.nn.Module, loss_fn, batch) -> None:
+    module.zero_grad(set_to_none=True)
+    loss_fn(module, *batch).backward()
 
 
 def main() -> None:
@@ -42,11 +48,8 @@ def main() -> None:
         batch = entry.make_batch(batch_size, torch.Generator().manual_seed(0), **config, **batch_config)
         step = tandem.compile(module, entry.loss_fn, *batch)
 
-        def eager() -> None:
-            eager_module.zero_grad(set_to_none=True)
-            entry.loss_fn(eager_module, *batch).backward()
-
-        medians = interleaved_medians({"eager": eager, "tandem": lambda: step(*batch)}, repeats=args.repeats)
+        medians = interleaved_medians({"eager": partial(eager_step, eager_module, entry.loss_fn, batch),
+                                       "tandem": partial(step, *batch)}, repeats=args.repeats)
         ratio = medians["tandem"] / medians["eager"]
         ratios.append(ratio)
         rows.append([name, batch_size, len(step.graph.op_nodes()), medians["eager"] * 1e3, medians["tandem"] * 1e3, ratio])

@@ -11,19 +11,27 @@ from typing import Any
 DATASETS = ("digits", "synthetic-images", "synthetic-tokens")
 
 
+# Sensible model sizes per data set; --model-arg key=value overrides any of them.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "digits": {
+        "mlp": {"in_features": 64, "hidden": (128, 128)},
+        "resnet": {"depth": 8, "width": 16, "in_channels": 1, "small_input": True},
+        "vgg": {"config": "vgg11", "in_channels": 1, "image_size": 8, "width_multiplier": 0.25, "classifier_width": 256},
+    },
+    "synthetic-images": {
+        "mlp": {"in_features": 3 * 32 * 32},
+        "resnet": {"depth": 8, "width": 16, "small_input": True},
+        "vgg": {"config": "vgg11", "width_multiplier": 0.25, "classifier_width": 512},
+    },
+    "synthetic-tokens": {
+        "lstm_lm": {"vocab_size": 512, "embed_dim": 128, "hidden": 128},
+        "gpt": {"vocab_size": 512, "block_size": 64},
+    },
+}
+
+
 def _model_config(model: str, dataset: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """Sensible model sizes per data set; --model-arg key=value overrides any of them."""
-    if dataset == "digits":
-        base = {"mlp": {"in_features": 64, "hidden": (128, 128)},
-                "resnet": {"depth": 8, "width": 16, "in_channels": 1, "small_input": True},
-                "vgg": {"config": "vgg11", "in_channels": 1, "image_size": 8, "width_multiplier": 0.25,
-                        "classifier_width": 256}}.get(model)
-    elif dataset == "synthetic-images":
-        base = {"mlp": {"in_features": 3 * 32 * 32}, "resnet": {"depth": 8, "width": 16, "small_input": True},
-                "vgg": {"config": "vgg11", "width_multiplier": 0.25, "classifier_width": 512}}.get(model)
-    else:
-        base = {"lstm_lm": {"vocab_size": 512, "embed_dim": 128, "hidden": 128},
-                "gpt": {"vocab_size": 512, "block_size": 64}}.get(model)
+    base = PRESETS[dataset].get(model)
     if base is None:
         raise SystemExit(f"tandem train: model {model!r} does not fit data {dataset!r}; "
                          "image models (mlp, resnet, vgg) take digits or synthetic-images, "

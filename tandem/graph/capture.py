@@ -91,7 +91,7 @@ def capture_inference(module: nn.Module, loss_fn: LossFn, batch: Sequence[torch.
                 raise _explain(error, stack) from error
     finally:
         module.train(was_training)
-    graph: fx.Graph = graph_module.graph
+    graph: fx.Graph = graph_module.graph  # type: ignore[union-attr]
     by_name = {n.name: n for n in graph.nodes}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     train_graph = TrainGraph(
