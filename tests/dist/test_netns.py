@@ -1,0 +1,92 @@
+"""The bandwidth-limited test network: real namespaces, veths, a bridge and tc, on this machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tandem.testing import netns
+
+pytestmark = pytest.mark.skipif(
+    not netns.available()[0], reason=f"no network namespaces: {netns.available()[1]}"
+)
+RATE = 50_000_000  # bits/s
+
+
+def _leftovers(pid: int) -> list[str]:
+    """Namespaces and root links of process ``pid`` that still exist."""
+    names = netns._namespaces() + netns._root_links()
+    return [name for name in names if name.startswith(f"tandem-{pid}-") or name.startswith(f"td{pid:x}n")]
+
+
+def test_rate_limits_both_directions_and_unshaped_is_much_faster() -> None:
+    with netns.Network(num_hosts=3, rate="50mbit") as net:
+        assert net.shaped and net.isolated and len({host.address for host in net.hosts}) == 3
+        one_way = netns.throughput(net.hosts[1], net.hosts[0], seconds=1.0)
+        other_way = netns.throughput(net.hosts[0], net.hosts[2], seconds=1.0)
+    with netns.Network(num_hosts=2) as free:
+        assert free.isolated and not free.shaped
+        unshaped = netns.throughput(free.hosts[1], free.hosts[0], seconds=0.5)
+    for measured in (one_way, other_way):
+        assert 0.3 * RATE < measured < 2 * RATE, f"{measured / 1e6:.1f} Mbit/s through a 50 Mbit/s link"
+    assert unshaped > 3 * RATE, f"unshaped {unshaped / 1e6:.1f} Mbit/s is not well above the shaped rate"
+
+
+def test_root_namespace_is_reachable_from_hosts() -> None:
+    with netns.Network(num_hosts=1, rate="100mbit") as net:
+        assert netns.throughput(net.hosts[0], net.root, seconds=0.3) > 0
+        assert net.root.command(["true"]) == ["true"]
+        assert net.hosts[0].command(["true"])[:3] == ["ip", "netns", "exec"]
+
+
+def test_nothing_left_after_exit_or_exception() -> None:
+    with netns.Network(num_hosts=2, rate="10mbit") as net:
+        sleeper = subprocess.Popen(net.hosts[0].command(["sleep", "60"]))
+        assert _leftovers(os.getpid())
+    assert sleeper.wait(timeout=10) != 0  # processes left inside are killed with the namespace
+    assert _leftovers(os.getpid()) == []
+    with pytest.raises(RuntimeError, match="inside"):
+        with netns.Network(num_hosts=2):
+            raise RuntimeError("failure inside the network")
+    assert _leftovers(os.getpid()) == []
+
+
+CHILD = """
+import sys, time
+from tandem.testing import netns
+net = netns.Network(num_hosts=2, rate="10mbit")
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def _child_with_network() -> subprocess.Popen[str]:
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+    assert child.stdout is not None and child.stdout.readline().strip() == "up"
+    assert _leftovers(child.pid)
+    return child
+
+
+def test_sigterm_cleans_up() -> None:
+    child = _child_with_network()
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=10) == -signal.SIGTERM
+    assert _leftovers(child.pid) == []
+
+
+def test_a_crashed_run_is_removed_by_the_next_network() -> None:
+    child = _child_with_network()
+    child.kill()  # SIGKILL: no handler runs, the namespaces stay behind
+    child.wait(timeout=10)
+    assert _leftovers(child.pid)
+    with netns.Network(num_hosts=1):
+        deadline = time.monotonic() + 5
+        while _leftovers(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _leftovers(child.pid) == []
