@@ -66,6 +66,7 @@ def simulate(graph: TrainGraph) -> SimulatedMemory:
 
 
 Share = Callable[[fx.Node], bool]
+MAX_REDO_DEPTH = 12  # recompute chains deeper than this share their copies: bounds redone work to O(n * depth)
 
 
 def share_all(node: fx.Node) -> bool:
@@ -97,7 +98,7 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
     live: dict[str, tuple[fx.Node, int]] = {}  # name -> (copy, last position it may be reused at)
     flops = 0
 
-    def copy_of(value: fx.Node, reader: fx.Node, memo: dict[str, fx.Node]) -> fx.Node:
+    def copy_of(value: fx.Node, reader: fx.Node, memo: dict[str, fx.Node], depth: int = 0) -> fx.Node:
         nonlocal flops
         here = position[reader]
         if value.name in memo:
@@ -105,13 +106,13 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
         held = live.get(value.name)
         if held is not None and held[1] >= here:
             return held[0]
-        inputs = {a: copy_of(a, reader, memo) for a in value.all_input_nodes if a.name in mirrored}
+        inputs = {a: copy_of(a, reader, memo, depth + 1) for a in value.all_input_nodes if a.name in mirrored}
         with graph.graph.inserting_before(reader):
             copy = graph.graph.node_copy(value, lambda a: inputs.get(a, a))
         copy.meta = {**value.meta, MetaKey.PHASE: Phase.BACKWARD, MetaKey.RECOMPUTE_OF: value.name}
         flops += cost.flops(value)
         memo[value.name] = copy
-        if share(value):
+        if share(value) or depth >= MAX_REDO_DEPTH:  # a long chain (a recurrence) is redone once, not per read
             live[value.name] = (copy, max(here, last_read.get(value.name, here)))
         return copy
 

@@ -181,6 +181,6 @@ def min_cut(view: ForwardView, bytes_per_flop: float) -> set[fx.Node]:
     return {by_name[name] for kind, name in (x for x in sink_side if isinstance(x, tuple)) if kind == "in"}
 
 
-def price_sweep(points: int = 16) -> list[float]:
+def price_sweep(points: int = 12) -> list[float]:
     """Prices (bytes per flop) from "memory at any cost" to "hardly any recompute"."""
     return [0.0] + [10 ** (-4 + 7 * i / (points - 1)) for i in range(points)]

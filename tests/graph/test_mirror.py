@@ -1,0 +1,233 @@
+"""Backward mirroring: same numbers as "off" under every policy, MXNet's two structure cases,
+measured memory never above "off" for memory-aware, budgets, and the option/env contract."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import tandem
+from tandem.graph import cost
+from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
+from tandem.passes.mirror import MirrorPolicy
+from tests.conftest import twin, zoo_case
+
+POLICIES = ["all", "sqrt", "memory-aware", 0.6]
+EXACT = dict(rtol=1e-7, atol=1e-10)
+
+
+def recomputed(graph: TrainGraph) -> list[fx.Node]:
+    return [n for n in graph.op_nodes() if MetaKey.RECOMPUTE_OF in n.meta]
+
+
+def recomputed_ops(graph: TrainGraph) -> set[str]:
+    """Names of the recomputed originals that are real ops (not views or getitems)."""
+    return {n.meta[MetaKey.RECOMPUTE_OF] for n in recomputed(graph)
+            if n.target is not operator.getitem and not cost.is_view(n)}
+
+
+@dataclass
+class Reference:
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    peak_bytes: int
+
+
+@functools.cache
+def off_reference(name: str) -> Reference:
+    """The "off" step of a zoo model, computed once per model (capture is the slow part)."""
+    module, loss_fn, batch = zoo_case(name, batch_size=8)
+    step = tandem.compile(module, loss_fn, *batch, mirror="off")
+    torch.manual_seed(3)
+    result = step(*batch)
+    buffers = {n: b.clone() for n, b in module.named_buffers()}
+    return Reference(result.loss, result.grads, buffers, step.memory_report()["peak_bytes"])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_matches_off(zoo_name: str, policy: object) -> None:
+    module, loss_fn, batch = zoo_case(zoo_name, batch_size=8)
+    mirrored = tandem.compile(module, loss_fn, *batch, mirror=policy)
+    torch.manual_seed(3)  # same seed: dropout draws the same masks in both
+    result = mirrored(*batch)
+    expected = off_reference(zoo_name)
+    torch.testing.assert_close(result.loss, expected.loss, **EXACT)
+    assert set(result.grads) == set(expected.grads)
+    for name, grad in expected.grads.items():
+        torch.testing.assert_close(result.grads[name], grad, **EXACT, msg=lambda m, n=name: f"{n}: {m}")
+    for name, buffer in module.named_buffers():  # BN stats updated once, exactly like off
+        torch.testing.assert_close(buffer, expected.buffers[name], **EXACT, msg=name)
+    check_structure(mirrored.graph)
+    report = mirrored.memory_report()
+    assert report["estimated_peak_bytes"] == report["peak_bytes"], "the plan's simulation matches the measurement"
+    if policy == "memory-aware":
+        assert report["peak_bytes"] <= expected.peak_bytes
+    assert set(report["saved_bytes_by_policy"]) == {"off", "all", "sqrt", "memory-aware"}
+    assert report["recompute_flops"] >= 0 and report["policy"]
+
+
+def check_structure(graph: TrainGraph) -> None:
+    nodes = graph.op_nodes()
+    order = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    buffer_updates = set(graph.buffer_updates.values())
+    for copy in recomputed(graph):
+        original = by_name[copy.meta[MetaKey.RECOMPUTE_OF]]
+        assert graph.phase_of(copy) == Phase.BACKWARD and graph.phase_of(original) == Phase.FORWARD
+        assert copy.target is original.target
+        assert not cost.is_random(copy) and not (copy.target is operator.getitem and cost.is_random(copy.args[0]))
+        assert copy not in buffer_updates and copy is not graph.loss
+        assert all(graph.phase_of(u) == Phase.BACKWARD for u in copy.users if u.op == "call_function")
+        first_use = min(order[u] for u in copy.users if u.op == "call_function")
+        before = [n for n in nodes[order[copy] + 1 : first_use] if MetaKey.RECOMPUTE_OF not in n.meta]
+        assert not before, f"{copy.name} is not placed just before its first backward reader"
+    for node in nodes:  # no backward node still reads the original of a mirrored value it had a copy for
+        if graph.phase_of(node) == Phase.BACKWARD:
+            assert all(MetaKey.RECOMPUTE_OF not in a.meta or graph.phase_of(a) == Phase.BACKWARD
+                       for a in node.all_input_nodes)
+
+
+def test_dropout_is_never_rerun_and_its_outputs_are_kept() -> None:
+    # The most aggressive plan (every policy's copies are also checked in check_structure).
+    module, loss_fn, batch = zoo_case("gpt")
+    graph = tandem.compile(module, loss_fn, *batch, mirror=0.2).graph
+    dropouts = [n for n in graph.op_nodes() if cost.is_random(n)]
+    assert dropouts and all(MetaKey.RECOMPUTE_OF not in n.meta for n in dropouts)
+    assert recomputed(graph), "the tight budget does recompute, just not dropout"
+    for copy in recomputed(graph):
+        source = copy.args[0] if copy.target is operator.getitem else copy
+        assert not cost.is_random(source), f"{copy.name} re-runs dropout"  # type: ignore[arg-type]
+
+
+# -- MXNet's two structure cases ------------------------------------------------------------------
+
+
+class RNNCell(nn.Module):
+    """h_t = tanh(W x_t + U h_{t-1} + b): the add and tanh are what the naive rule mirrors."""
+
+    def __init__(self, size: int = 32) -> None:
+        super().__init__()
+        self.input = nn.Linear(size, size)
+        self.hidden = nn.Linear(size, size, bias=False)
+        self.head = nn.Linear(size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.input(x[:, t]) + self.hidden(h))
+        return self.head(h)
+
+
+class MLPAttention(nn.Module):
+    """Additive attention of several queries over shared keys: score = v . tanh(Wq[:, None] + UK)."""
+
+    def __init__(self, size: int = 32) -> None:
+        super().__init__()
+        self.query = nn.Linear(size, size, bias=False)
+        self.key = nn.Linear(size, size, bias=False)
+        self.score = nn.Linear(size, 1, bias=False)
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        projected_keys = self.key(keys)  # (N, T, H): shared by every query
+        total = queries.new_zeros(())
+        for step in range(queries.shape[1]):
+            hidden = torch.tanh(self.query(queries[:, step])[:, None, :] + projected_keys)  # broadcast add
+            total = total + torch.softmax(self.score(hidden).squeeze(-1), dim=-1).pow(2).sum()
+        return total
+
+
+def loss_sum(module: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
+    return module(*batch).sum()
+
+
+def compiled(module: nn.Module, batch: tuple[torch.Tensor, ...], policy: str) -> tandem.TrainStep:
+    step = tandem.compile(twin(module), loss_sum, *batch, mirror=policy)
+    step(*batch)
+    return step
+
+
+def test_rnn_cell_mirrors_nothing_and_naive_raises_memory() -> None:
+    torch.manual_seed(0)
+    module, batch = RNNCell(), (torch.randn(16, 6, 32),)
+    off, naive, aware = (compiled(module, batch, p) for p in ("off", "all", "memory-aware"))
+    assert recomputed_ops(naive.graph), "the naive rule mirrors the cell's add and tanh"
+    assert naive.memory_report()["peak_bytes"] > off.memory_report()["peak_bytes"]
+    assert not recomputed_ops(aware.graph), "memory-aware: no benefit in an RNN cell, nothing mirrored"
+    assert aware.memory_report()["peak_bytes"] == off.memory_report()["peak_bytes"]
+
+
+def test_mlp_attention_mirrors_broadcast_add_and_tanh() -> None:
+    torch.manual_seed(0)
+    module, batch = MLPAttention(), (torch.randn(8, 4, 32), torch.randn(8, 24, 32))
+    off, aware = compiled(module, batch, "off"), compiled(module, batch, "memory-aware")
+    names = recomputed_ops(aware.graph)
+    targets = {n.target for n in aware.graph.op_nodes() if n.name in names}
+    assert {torch.ops.aten.add.Tensor, torch.ops.aten.tanh.default} <= targets
+    assert aware.memory_report()["peak_bytes"] < off.memory_report()["peak_bytes"]
+
+
+# -- budgets ----------------------------------------------------------------------------------------
+
+
+def test_budget_fits_with_least_recompute() -> None:
+    module, loss_fn, batch = zoo_case("gpt", torch.float32, batch_size=8)
+    off = tandem.compile(twin(module), loss_fn, *batch)
+    off(*batch)
+    peak = off.memory_report()["peak_bytes"]
+    loose = tandem.compile(twin(module), loss_fn, *batch, mirror=0.95)
+    tight = tandem.compile(twin(module), loss_fn, *batch, mirror=f"{int(0.7 * peak)}B")
+    for step, budget in ((loose, 0.95 * peak), (tight, 0.7 * peak)):
+        step(*batch)
+        report = step.memory_report()
+        assert report["budget_met"] and report["peak_bytes"] <= budget
+    assert loose.memory_report()["recompute_flops"] <= tight.memory_report()["recompute_flops"]
+
+
+def test_impossible_budget_warns_and_uses_the_smallest_plan(caplog: pytest.LogCaptureFixture) -> None:
+    module, loss_fn, batch = zoo_case("mlp", torch.float32)
+    with caplog.at_level("WARNING", logger="tandem"):
+        step = tandem.compile(module, loss_fn, *batch, mirror="1KB")
+    assert "no mirroring plan fits the budget of 1000 bytes" in caplog.text
+    step(*batch)
+    assert step.memory_report()["budget_met"] is False
+
+
+# -- the option ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, MirrorPolicy("off")),
+        ("memory-aware", MirrorPolicy("memory-aware")),
+        (" SQRT ", MirrorPolicy("sqrt")),
+        (0.4, MirrorPolicy("budget", fraction=0.4)),
+        ("0.4", MirrorPolicy("budget", fraction=0.4)),
+        ("300MB", MirrorPolicy("budget", budget_bytes=300_000_000)),
+        ("1.5GiB", MirrorPolicy("budget", budget_bytes=int(1.5 * 2**30))),
+    ],
+)
+def test_policy_parsing(value: object, expected: MirrorPolicy) -> None:
+    assert MirrorPolicy.parse(value) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("value", "message"), [("fast", "not a mirroring policy"), (1.5, r"lie in \(0, 1\]"),
+                                                ("12 parsecs", "not a mirroring policy"), (True, "has type bool")])
+def test_bad_policy_is_named_with_the_fix(value: object, message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message) as error:
+        MirrorPolicy.parse(value)  # type: ignore[arg-type]
+    assert "memory-aware" in str(error.value) and "300MB" in str(error.value)
+
+
+def test_env_knob_fills_in_and_explicit_option_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_MIRROR", "memory-aware")
+    module, loss_fn, batch = zoo_case("mlp")
+    assert tandem.compile(module, loss_fn, *batch).graph.notes["memory"]["policy"] == "memory-aware"
+    assert tandem.compile(module, loss_fn, *batch, mirror="off").graph.notes["memory"]["policy"] == "off"
