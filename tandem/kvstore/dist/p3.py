@@ -1,0 +1,166 @@
+"""Priority-based parameter propagation (P3, SysML 2019): the ``dist_p3`` kvstore.
+
+Why: backward produces the last layers' gradients first, but the next forward needs the first
+layers' parameters first. A plain parameter server sends in production order, so the first layer
+arrives last and forward waits for the whole model. P3 (1) cuts every array into slices of
+``slice_size`` elements spread round-robin over the servers, so that a big layer neither hogs one
+server nor blocks the link for long; (2) queues slices by priority (the trainer passes ``-layer
+index``) with at most ``water_mark`` pushes in flight, so a later high-priority slice overtakes the
+backlog (``p3_sender``); (3) has servers serve what has arrived in priority order too.
+
+Everything else (protocol, sync/async rounds, server-side optimizers, failures) is the plain
+parameter server's: ``P3KVStore`` is a ``DistKVStore`` with another placement and send path.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine import trace
+from tandem.env import knob
+from tandem.kvstore.dist.p3_queue import LanePriorityQueue
+from tandem.kvstore.dist.p3_sender import PrioritySender
+from tandem.kvstore.dist.placement import Slice, stable_server
+from tandem.kvstore.dist.protocol import Key, Message
+from tandem.kvstore.dist.server import Server
+from tandem.kvstore.dist.topology import DistOptions, Topology, set_torch_threads
+from tandem.kvstore.dist.transport import Incoming, ServerTransport
+from tandem.kvstore.dist.worker import DistKVStore
+from tandem.kvstore.errors import KVStoreError
+
+P3_KINDS = {"dist_p3": "dist_sync", "dist_p3_async": "dist_async"}  # P3 kind -> the rounds it runs
+
+
+@dataclass(frozen=True)
+class RoundRobinPlacement:
+    """P3's placement: slices of ``slice_size`` elements, consecutive slices on consecutive servers.
+
+    The first slice goes to the key's stable server, so single-slice keys still spread over servers.
+    """
+
+    num_servers: int
+    slice_size: int = 40_000
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 1:
+            raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
+        if self.slice_size < 1:
+            raise ValueError(
+                f"slice_size must be >= 1 (TANDEM_KVSTORE_SLICE_THRESHOLD), got {self.slice_size}"
+            )
+
+    def plan(self, key: Key, numel: int) -> list[Slice]:
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        first = stable_server(key, self.num_servers)
+        if numel == 0:
+            return [Slice(first, 0, 0)]
+        starts = range(0, numel, self.slice_size)
+        return [Slice((first + index) % self.num_servers, start, min(start + self.slice_size, numel))
+                for index, start in enumerate(starts)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class P3Options:
+    """P3's own settings; ``from_env`` fills unset ones from the knobs."""
+
+    slice_size: int
+    water_mark: int
+
+    def __post_init__(self) -> None:
+        if self.slice_size < 1:
+            raise KVStoreError(
+                f"slice_size must be >= 1 (TANDEM_KVSTORE_SLICE_THRESHOLD), got {self.slice_size}"
+            )
+        if self.water_mark < 1:
+            raise KVStoreError(f"water_mark must be >= 1 (TANDEM_PS_WATER_MARK), got {self.water_mark}")
+
+    @classmethod
+    def from_env(cls, slice_size: int | None = None, water_mark: int | None = None) -> P3Options:
+        return cls(
+            slice_size or knob("TANDEM_KVSTORE_SLICE_THRESHOLD"), water_mark or knob("TANDEM_PS_WATER_MARK")
+        )
+
+
+class P3KVStore(DistKVStore):
+    """A worker's ``dist_p3`` store: round-robin slices, each its own request, sent by priority.
+
+    Contract as ``DistKVStore`` (drive from one thread; handles may be waited on anywhere); requests
+    of one slot keep their order whatever their priorities.
+    """
+
+    def __init__(self, topology: Topology, options: DistOptions, p3: P3Options) -> None:
+        super().__init__(topology, options, RoundRobinPlacement(topology.num_servers, p3.slice_size))
+        self.kind = next(kind for kind, rounds in P3_KINDS.items() if rounds == options.kind)
+        self.p3 = p3
+        self.sender = PrioritySender(self._client, p3.water_mark, p3.slice_size, topology.rank)
+        self._client = self.sender  # type: ignore[assignment]  # same interface; queues tensor requests
+
+
+class PriorityReceive:
+    """A server transport whose ``poll`` hands over what arrived in priority order (P3's receive queue).
+
+    Control messages (hello, heartbeats, barriers) and rejected frames come first, in arrival order;
+    data requests follow by priority, FIFO on ties, never reordered within one worker's slot.
+    """
+
+    def __init__(self, inner: ServerTransport) -> None:
+        self.inner = inner
+
+    def poll(self, timeout: float) -> list[Incoming]:
+        batch = self.inner.poll(timeout)
+        first = [item for item in batch if item.peer is not None or item.message is None]
+        queue: LanePriorityQueue[Incoming] = LanePriorityQueue()
+        for item in batch:
+            if item.peer is None and item.message is not None:
+                header = item.message.header
+                queue.put(item, header.priority, (header.sender_rank, header.key, header.slice_start))
+        return first + [queue.pop() for _ in range(len(queue))]
+
+    def send(self, peer: bytes, header: Any, payloads: Any = (), track: bool = False) -> Any:
+        return self.inner.send(peer, header, payloads, track)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class P3Server(Server):
+    """A parameter server serving data requests in priority order, with a trace event per slice served."""
+
+    def __init__(self, topology: Topology, options: DistOptions) -> None:
+        super().__init__(topology, options)
+        self.transport = PriorityReceive(self.transport)  # type: ignore[assignment]
+        self._row = f"p3 serve (server {topology.rank})"
+
+    def _dispatch(self, incoming: Incoming) -> None:
+        start = trace.now_us()
+        super()._dispatch(incoming)
+        if trace.enabled() and incoming.peer is None and incoming.message is not None:
+            self._record(incoming.message, start)
+
+    def _record(self, message: Message, start: float) -> None:
+        header = message.header
+        trace.record(f"serve {header.command.name.lower()} {header.key}[{header.slice_start}:{header.slice_stop}]",
+                     start, trace.now_us(), "comm", {"key": header.key, "slice": [header.slice_start, header.slice_stop],
+                     "priority": header.priority, "worker": header.sender_rank}, self._row)  # fmt: skip
+
+
+def connect(kind: str = "dist_p3", slice_size: int | None = None, water_mark: int | None = None,
+            **options: Any) -> P3KVStore:  # fmt: skip
+    """Join a P3 job: serve and exit (server role) or return the worker's ``P3KVStore``.
+
+    ``kind`` is ``dist_p3`` (sync rounds) or ``dist_p3_async``; other options as ``dist_sync``'s.
+    """
+    if kind not in P3_KINDS:
+        raise KVStoreError(f"unknown P3 kind {kind!r}; choose one of {sorted(P3_KINDS)}")
+    p3 = P3Options.from_env(slice_size, water_mark)
+    settings = DistOptions.from_env(P3_KINDS[kind], **options)
+    topology = Topology.from_env()
+    set_torch_threads(topology)
+    if topology.role == "server":
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        sys.exit(P3Server(topology, settings).serve())
+    return P3KVStore(topology, settings, p3)

@@ -1,0 +1,208 @@
+"""P3's worker side: a priority send queue with a cap on pushes in flight, in front of the ``Client``.
+
+Why a cap: once bytes are handed to the network they cannot be overtaken. With at most
+``water_mark`` pushes sent but not yet acknowledged, the backlog stays in the priority queue, where
+the first layers' slices (produced last by backward, needed first by forward) overtake the rest.
+
+Why only pushes count: a server acknowledges a push on receipt, but answers a pull (in sync mode)
+only once every worker pushed that round. If pulls counted, two workers whose caps were full of
+pulls waiting for each other's pushes would deadlock. So a ``pushpull`` of a slice is sent as a
+push followed at once by a pull of the same slice (same socket, so the server sees them in order);
+only the push counts, and the pull's reply carries the result.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tandem.engine import trace
+from tandem.kvstore.dist.client import Client
+from tandem.kvstore.dist.p3_queue import LanePriorityQueue
+from tandem.kvstore.dist.protocol import Command, Header, Message
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure
+
+QUEUED_COMMANDS = frozenset({Command.INIT, Command.PUSH, Command.PULL, Command.PUSHPULL})
+POLL_SECONDS = 0.2  # how often a waiting sender looks for a failed connection
+
+
+@dataclass
+class _Request:
+    server: int
+    header: Header
+    payloads: Sequence[Any]
+    on_reply: Callable[[Message], None]
+    on_error: Callable[[BaseException], None]
+    queued_us: float
+
+    @property
+    def capped(self) -> bool:
+        """Does it put tensor bytes on the wire (and so count against the water mark)?"""
+        return self.header.command is not Command.PULL
+
+
+class PrioritySender:
+    """Stands in for a ``Client``: tensor requests are queued by priority, control requests pass straight.
+
+    Thread safety: ``submit``, ``outstanding`` and ``water_mark`` may be used from any thread; one
+    sender thread hands requests to the client; replies are completed in the client's IO thread.
+    """
+
+    def __init__(self, client: Client, water_mark: int, slice_size: int, rank: int) -> None:
+        if water_mark < 1:
+            raise KVStoreError(f"water_mark must be >= 1 (TANDEM_PS_WATER_MARK), got {water_mark}")
+        self._client, self._water_mark, self.slice_size = client, water_mark, slice_size
+        self._queue: LanePriorityQueue[_Request] = LanePriorityQueue()
+        self._cond = threading.Condition()
+        self._in_flight = 0  # pushes sent and not acknowledged
+        self._handing_over = 0  # popped, not yet registered by the client
+        self._stopping = False
+        self._send_row, self._receive_row = f"p3 send (worker {rank})", f"p3 receive (worker {rank})"
+        self._thread = threading.Thread(target=self._run, name=f"tandem-p3-sender-{rank}", daemon=True)
+        self._thread.start()
+
+    @property
+    def failure(self) -> PeerFailure | None:
+        return self._client.failure
+
+    @property
+    def water_mark(self) -> int:
+        return self._water_mark
+
+    @water_mark.setter
+    def water_mark(self, value: int) -> None:
+        if value < 1:
+            raise KVStoreError(f"water_mark must be >= 1, got {value}")
+        with self._cond:
+            self._water_mark = value
+            self._cond.notify_all()
+
+    def submit(self, server: int, header: Header, payloads: Sequence[Any], on_reply: Callable[[Message], None],
+               on_error: Callable[[BaseException], None]) -> None:  # fmt: skip
+        """Queue a tensor request by ``header.priority`` (control requests are sent at once); never blocks."""
+        if header.command not in QUEUED_COMMANDS:
+            self._client.submit(server, header, payloads, on_reply, on_error)
+            return
+        if self._client.failure is not None:
+            raise self._client.failure
+        request = _Request(server, header, payloads, on_reply, on_error, trace.now_us())
+        with self._cond:
+            if self._stopping:
+                raise KVStoreError("this kvstore is closing; no new requests")
+            self._queue.put(request, header.priority, (server, header.key, header.slice_start))
+            self._cond.notify_all()
+
+    def call(self, server: int, header: Header, payloads: Sequence[Any], timeout: float) -> Message:
+        return self._client.call(server, header, payloads, timeout)
+
+    def outstanding(self) -> int:
+        """Requests queued here or awaiting a reply."""
+        with self._cond:
+            local = len(self._queue) + self._handing_over
+        return local + self._client.outstanding()
+
+    def _sendable(self) -> bool:
+        if not self._queue:
+            return False
+        return self._in_flight < self._water_mark or not self._queue.peek().capped
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._sendable():
+                    if self._stopping and not self._queue:
+                        return
+                    self._cond.wait(POLL_SECONDS)
+                    if self._client.failure is not None:
+                        self._fail_queued(self._client.failure)
+                request = self._queue.pop()
+                self._in_flight += request.capped
+                self._handing_over += 1
+            try:
+                self._send(request)
+            finally:
+                with self._cond:
+                    self._handing_over -= 1
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Caller holds the lock: every queued request fails with ``error``."""
+        while self._queue:
+            self._queue.pop().on_error(error)
+
+    def _release(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def _send(self, request: _Request) -> None:
+        start = trace.now_us()
+        header, submit = request.header, self._client.submit
+        try:
+            if header.command is Command.PUSHPULL:
+                submit(request.server, replace(header, command=Command.PUSH), request.payloads,
+                       lambda message: self._release(), self._released_error(request))  # fmt: skip
+                submit(request.server, replace(header, command=Command.PULL), [], self._traced(request),
+                       request.on_error)  # fmt: skip
+            elif request.capped:
+                submit(request.server, header, request.payloads, self._released_reply(request),
+                       self._released_error(request))  # fmt: skip
+            else:
+                submit(request.server, header, request.payloads, self._traced(request), request.on_error)
+        except (KVStoreTimeout, PeerFailure) as error:
+            if request.capped:
+                self._release()
+            request.on_error(error)
+        if trace.enabled():
+            trace.record(f"send {header.command.name.lower()} {header.key}[{self._slice(header)}]", start,
+                         trace.now_us(), "comm", self._args(request, start), self._send_row)  # fmt: skip
+
+    def _slice(self, header: Header) -> int:
+        return header.slice_start // self.slice_size
+
+    def _args(self, request: _Request, sent_us: float) -> dict[str, Any]:
+        header = request.header
+        return {"key": header.key, "slice": self._slice(header), "priority": header.priority,
+                "server": request.server, "queued_us": round(sent_us - request.queued_us, 1)}  # fmt: skip
+
+    def _traced(self, request: _Request) -> Callable[[Message], None]:
+        """The request's reply handler, recorded as a receive event (it copies the slice into place)."""
+
+        def on_reply(message: Message) -> None:
+            start = trace.now_us()
+            request.on_reply(message)
+            if trace.enabled():
+                header = request.header
+                trace.record(f"receive {header.key}[{self._slice(header)}]", start, trace.now_us(), "comm",
+                             self._args(request, start), self._receive_row)  # fmt: skip
+
+        return on_reply
+
+    def _released_reply(self, request: _Request) -> Callable[[Message], None]:
+        traced = self._traced(request)
+
+        def on_reply(message: Message) -> None:
+            self._release()
+            traced(message)
+
+        return on_reply
+
+    def _released_error(self, request: _Request) -> Callable[[BaseException], None]:
+        def on_error(error: BaseException) -> None:
+            self._release()
+            request.on_error(error)
+
+        return on_error
+
+    def close(self, timeout: float) -> None:
+        """Send what is queued (unless the job failed), stop the sender thread, then close the client."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            self._fail_queued(KVStoreError("the kvstore closed before this request was sent"))
+        self._client.close(timeout=max(0.1, deadline - time.monotonic()))

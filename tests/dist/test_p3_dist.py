@@ -1,0 +1,147 @@
+"""The dist_p3 kvstore with real server and worker processes on 127.0.0.1.
+
+Run as a script, this file is the job every process of those tests runs (``main`` below): a
+server process serves and exits inside ``connect``; a worker checks and saves its results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.jobs import run_job, worker_lines
+
+SLICE = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "64"}
+SHAPES: dict[str | int, tuple[int, ...]] = {
+    "odd": (7, 3, 5),
+    0: (),
+    1: (1,),
+    "w": (1000,),
+    7: (3, 4),
+    "big": (4_003,),
+}
+
+
+def _run(
+    mode: str, kind: str, workers: int, servers: int, out: Path, env: dict[str, str] | None = None
+) -> str:
+    result = run_job(
+        str(Path(__file__).resolve()), workers, servers, mode, kind, str(out), env={**SLICE, **(env or {})}
+    )
+    assert len(worker_lines(result.stdout, f"{mode} OK")) == workers, result.stdout
+    return result.stdout
+
+
+def _results(out: Path, workers: int) -> list[dict[str, torch.Tensor]]:
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(workers)]
+
+
+@pytest.mark.parametrize(("workers", "servers"), [(3, 2), (2, 3)])
+def test_sliced_sums_reassemble_exactly_and_equal_dist_sync(
+    workers: int, servers: int, tmp_path: Path
+) -> None:
+    _run("sums", "dist_p3", workers, servers, tmp_path / "p3")
+    _run("sums", "dist_sync", workers, servers, tmp_path / "sync")
+    for p3, plain in zip(_results(tmp_path / "p3", workers), _results(tmp_path / "sync", workers)):
+        assert p3.keys() == plain.keys()
+        for name in p3:
+            assert torch.equal(p3[name], plain[name]), name
+
+
+@pytest.mark.parametrize("kind", ["dist_p3", "dist_p3_async"])
+def test_server_side_sgd(kind: str, tmp_path: Path) -> None:
+    _run("optimizer", kind, 2, 2, tmp_path)
+
+
+def test_trace_shows_a_late_high_priority_slice_overtaking_the_backlog(tmp_path: Path) -> None:
+    env = {"TANDEM_PS_WATER_MARK": "1", "TANDEM_TRACE": str(tmp_path / "trace-{pid}.json")}
+    _run("priority", "dist_p3", 1, 2, tmp_path, env)
+    sends, serves = [], []
+    for path in tmp_path.glob("trace-*.json"):
+        events = [
+            event for event in json.loads(path.read_text())["traceEvents"] if event.get("cat") == "comm"
+        ]
+        sends += [event for event in events if event["name"].startswith("send push")]
+        serves += [event for event in events if event["name"].startswith("serve push")]
+    sends.sort(key=lambda event: event["ts"])
+    keys = [event["args"]["key"] for event in sends]
+    assert keys.count("low") == 4003 // 64 + 1 and keys.count("high") == 1, keys
+    # the low slices are queued first; the sender may hand a few over before "high" is queued
+    assert keys.index("high") < 16, f"high-priority slice sent {keys.index('high')}th of {len(keys)}: {keys}"
+    assert {event["args"]["priority"] for event in sends if event["args"]["key"] == "low"} == {-10}
+    assert len(serves) == len(sends)  # servers traced every slice too
+
+
+# ---- the job every process runs ---------------------------------------------------------------
+
+
+def _sums(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    keys = list(SHAPES)
+    kv.init(keys, [torch.zeros(shape) for shape in SHAPES.values()])
+    saved: dict[str, torch.Tensor] = {}
+    for step in range(2):
+        values = [
+            torch.arange(float(torch.Size(s).numel())).reshape(s) * (rank + 1) + step for s in SHAPES.values()
+        ]
+        outs = [torch.empty(shape) for shape in SHAPES.values()]
+        handles = [kv.pushpull(key, value, out=out, priority=-index)
+                   for index, (key, value, out) in enumerate(zip(keys, values, outs))]  # fmt: skip
+        for handle in handles:
+            handle.wait(timeout=60)
+        total = kv.num_workers * (kv.num_workers + 1) / 2
+        for key, out, shape in zip(keys, outs, SHAPES.values()):
+            expected = (
+                torch.arange(float(torch.Size(shape).numel())).reshape(shape) * total + step * kv.num_workers
+            )
+            assert torch.equal(out, expected), (key, out, expected)
+            saved[f"pushpull/{step}/{key}"] = out
+    kv.push(keys, [torch.full(shape, rank + 1.0) for shape in SHAPES.values()], priority=3).wait(timeout=60)
+    pulled = [torch.empty(shape) for shape in SHAPES.values()]
+    kv.pull(keys, pulled, priority=-3).wait(timeout=60)  # lower priority than its push: lane order holds
+    saved.update({f"pull/{key}": out for key, out in zip(keys, pulled)})
+    return saved
+
+
+def _optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    from tandem.optim import SGD
+
+    start = torch.linspace(-1, 1, 4_003)
+    kv.init("w", start)
+    kv.set_optimizer(SGD(lr=0.5))
+    for _ in range(3):
+        kv.push("w", torch.full((4_003,), rank + 1.0)).wait(timeout=60)
+    kv.barrier()
+    pulled = torch.empty(4_003)
+    kv.pull("w", pulled).wait(timeout=60)
+    total = kv.num_workers * (kv.num_workers + 1) / 2
+    torch.testing.assert_close(pulled, start - 0.5 * 3 * total)
+    return {"w": pulled}
+
+
+def _priority(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    kv.init(["low", "high"], [torch.zeros(4_003), torch.zeros(10)])
+    low = kv.push("low", torch.ones(4_003), priority=-10)
+    high = kv.push("high", torch.ones(10), priority=0)
+    high.wait(timeout=60)
+    low.wait(timeout=60)
+    return {}
+
+
+def main(mode: str, kind: str, out: str) -> None:
+    import tandem.kvstore as kvstore
+    from tandem.kvstore.dist import p3
+
+    kv = p3.connect(kind) if kind in p3.P3_KINDS else kvstore.create(kind)
+    saved = {"sums": _sums, "optimizer": _optimizer, "priority": _priority}[mode](kv, kv.rank)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    torch.save(saved, Path(out) / f"rank{kv.rank}.pt")
+    print(f"{mode} OK rank {kv.rank}")
+    kv.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,69 @@
+"""P3's pure parts: the lane-keeping priority queue and round-robin slicing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.kvstore.dist.p3 import P3Options, RoundRobinPlacement
+from tandem.kvstore.dist.p3_queue import LanePriorityQueue
+from tandem.kvstore.errors import KVStoreError
+
+
+def test_highest_priority_first_fifo_on_ties() -> None:
+    queue: LanePriorityQueue[str] = LanePriorityQueue()
+    for name, priority in [("a", 0), ("b", 5), ("c", 0), ("d", -3), ("e", 5)]:
+        queue.put(name, priority, lane=name)
+    assert queue.peek() == "b"
+    assert [queue.pop() for _ in range(len(queue))] == ["b", "e", "a", "c", "d"]
+
+
+def test_a_later_item_of_a_lane_never_overtakes_an_earlier_one() -> None:
+    queue: LanePriorityQueue[str] = LanePriorityQueue()
+    queue.put("push w", -5, lane="w")
+    queue.put("other", 0, lane="x")
+    assert queue.put("pull w", 10, lane="w") == -5  # capped at the push's priority
+    assert [queue.pop() for _ in range(3)] == ["other", "push w", "pull w"]
+    queue.put("fresh", 10, lane="w")  # the lane emptied: no cap any more
+    assert queue.pop() == "fresh" and len(queue) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-3, 3), st.integers(0, 3)), max_size=40))
+def test_property_priority_order_across_lanes_fifo_within(items: list[tuple[int, int]]) -> None:
+    queue: LanePriorityQueue[int] = LanePriorityQueue()
+    effective = [queue.put(index, priority, lane) for index, (priority, lane) in enumerate(items)]
+    order = [queue.pop() for _ in items]
+    assert sorted(order) == list(range(len(items)))
+    for lane in {lane for _, lane in items}:
+        mine = [index for index in order if items[index][1] == lane]
+        assert mine == sorted(mine)  # lane order kept
+    popped = [effective[index] for index in order]
+    assert popped == sorted(popped, reverse=True)  # by effective priority
+    assert all(effective[i] <= items[i][0] for i in range(len(items)))
+
+
+@pytest.mark.parametrize(
+    ("numel", "size", "servers"), [(10, 3, 2), (7, 7, 3), (1, 5, 2), (0, 4, 2), (100, 9, 3)]
+)
+def test_round_robin_slices_cover_every_element_once(numel: int, size: int, servers: int) -> None:
+    plan = RoundRobinPlacement(servers, size).plan("w", numel)
+    assert plan[0].start == 0 and plan[-1].stop == numel
+    assert all(a.stop == b.start for a, b in zip(plan, plan[1:]))
+    assert all(part.numel <= size for part in plan)
+    assert all((b.server - a.server) % servers == 1 % servers for a, b in zip(plan, plan[1:]))
+
+
+def test_placement_is_the_same_in_every_process() -> None:
+    assert RoundRobinPlacement(3, 4).plan("layer.weight", 10) == RoundRobinPlacement(3, 4).plan(
+        "layer.weight", 10
+    )
+
+
+@pytest.mark.parametrize(
+    ("slice_size", "water_mark", "match"), [(0, 10, "slice_size"), (10, 0, "water_mark")]
+)
+def test_bad_options_name_the_knob(slice_size: int, water_mark: int, match: str) -> None:
+    with pytest.raises(KVStoreError, match=match):
+        P3Options(slice_size, water_mark)
