@@ -76,6 +76,13 @@ def test_trace_shows_a_late_high_priority_slice_overtaking_the_backlog(tmp_path:
     assert len(serves) == len(sends)  # servers traced every slice too
 
 
+def test_auto_tuning_agrees_on_every_worker_and_keeps_sums_exact(tmp_path: Path) -> None:
+    output = _run("auto", "dist_p3", 2, 2, tmp_path, {"TANDEM_KVSTORE_SLICE_THRESHOLD": "0"})
+    chosen = {line.split("result ")[1] for line in worker_lines(output, " tuned ")}
+    assert len(worker_lines(output, " tuned ")) == 2, output
+    assert len(chosen) == 1, output  # both workers walked the same search path
+
+
 # ---- the job every process runs ---------------------------------------------------------------
 
 
@@ -131,12 +138,30 @@ def _priority(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-unty
     return {}
 
 
+def _auto(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    sizes = {"a": 50_000, "b": 30_000, "c": 10}
+    kv.init(list(sizes), [torch.zeros(size) for size in sizes.values()])
+    for step in range(100):
+        values = [torch.arange(float(size)) * (rank + 1) + step for size in sizes.values()]
+        outs = [torch.empty(size) for size in sizes.values()]
+        for handle in [kv.pushpull(key, value, out=out, priority=-index)
+                       for index, (key, value, out) in enumerate(zip(sizes, values, outs))]:  # fmt: skip
+            handle.wait(timeout=60)
+        for out, size in zip(outs, sizes.values()):
+            assert torch.equal(out, torch.arange(float(size)) * 3 + 2 * step), (step, out)
+        if kv.tuner.result is not None:
+            break
+    assert kv.tuner.result is not None, kv.tuner.history
+    print(f"rank {rank} tuned {kv.tuner.history} result {kv.tuner.result}")
+    return {}
+
+
 def main(mode: str, kind: str, out: str) -> None:
     import tandem.kvstore as kvstore
     from tandem.kvstore.dist import p3
 
     kv = p3.connect(kind) if kind in p3.P3_KINDS else kvstore.create(kind)
-    saved = {"sums": _sums, "optimizer": _optimizer, "priority": _priority}[mode](kv, kv.rank)
+    saved = {"sums": _sums, "optimizer": _optimizer, "priority": _priority, "auto": _auto}[mode](kv, kv.rank)
     Path(out).mkdir(parents=True, exist_ok=True)
     torch.save(saved, Path(out) / f"rank{kv.rank}.pt")
     print(f"{mode} OK rank {kv.rank}")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.kvstore.dist.p3 import P3Options, RoundRobinPlacement
 from tandem.kvstore.dist.p3_queue import LanePriorityQueue
+from tandem.kvstore.dist.p3_tuner import SLICE_SIZES, WATER_MARKS, AutoTuner, Config
 from tandem.kvstore.errors import KVStoreError
 
 
@@ -62,8 +65,56 @@ def test_placement_is_the_same_in_every_process() -> None:
 
 
 @pytest.mark.parametrize(
-    ("slice_size", "water_mark", "match"), [(0, 10, "slice_size"), (10, 0, "water_mark")]
+    ("slice_size", "water_mark", "match"), [(-1, 10, "slice_size"), (10, 0, "water_mark")]
 )
 def test_bad_options_name_the_knob(slice_size: int, water_mark: int, match: str) -> None:
     with pytest.raises(KVStoreError, match=match):
         P3Options(slice_size, water_mark)
+
+
+def test_auto_slice_size() -> None:
+    assert P3Options.from_env("auto", 4).auto and P3Options(0, 4).auto and not P3Options(10, 4).auto
+    with pytest.raises(KVStoreError, match="'auto'"):
+        P3Options.from_env("big")
+
+
+def _run_search(cost: Callable[[Config], float], **options: object) -> AutoTuner:
+    """Drive a tuner with a synthetic iteration-time function, as the store's pushes would."""
+    applied: list[Config] = []
+    clock = [0.0]
+    tuner = AutoTuner(applied.append, lambda seconds: seconds, clock=lambda: clock[0], **options)  # type: ignore[arg-type]
+    for _ in range(200):
+        tuner.observe("first key")
+        tuner.observe("other key")  # only the first key pushed marks iterations
+        clock[0] += cost(tuner.current)
+        if tuner.result is not None:
+            break
+    assert applied[-1] == tuner.result
+    return tuner
+
+
+def test_tuner_finds_the_best_point_of_a_bowl() -> None:
+    best = (80_000, 4)
+
+    def cost(config: Config) -> float:
+        slices, marks = SLICE_SIZES.index(config[0]), WATER_MARKS.index(config[1])
+        return (
+            1.0
+            + 0.1 * abs(slices - SLICE_SIZES.index(best[0]))
+            + 0.05 * abs(marks - WATER_MARKS.index(best[1]))
+        )
+
+    tuner = _run_search(cost)
+    assert tuner.result == best
+    assert len(tuner.history) <= 8  # a handful of points, not the whole 36-point grid
+
+
+def test_tuner_with_fixed_slicing_tunes_only_the_water_mark() -> None:
+    tuner = AutoTuner(lambda config: None, lambda seconds: seconds)
+    tuner.fix_slice_size()
+    result = _run_search(lambda config: 1.0 + abs(config[1] - 20) / 100, slice_sizes=tuner.slice_sizes).result
+    assert result == (40_000, 20)
+
+
+def test_flat_costs_keep_the_start() -> None:
+    assert _run_search(lambda config: 1.0).result == (40_000, 10)

@@ -16,22 +16,30 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tandem.engine import trace
 from tandem.env import knob
+from tandem.kvstore.base import Handle
 from tandem.kvstore.dist.p3_queue import LanePriorityQueue
 from tandem.kvstore.dist.p3_sender import PrioritySender
+from tandem.kvstore.dist.p3_tuner import SLICE_SIZES, WATER_MARKS, AutoTuner, Config
 from tandem.kvstore.dist.placement import Slice, stable_server
-from tandem.kvstore.dist.protocol import Key, Message
+from tandem.kvstore.dist.protocol import Command, Key, Message
 from tandem.kvstore.dist.server import Server
 from tandem.kvstore.dist.topology import DistOptions, Topology, set_torch_threads
 from tandem.kvstore.dist.transport import Incoming, ServerTransport
-from tandem.kvstore.dist.worker import DistKVStore
+from tandem.kvstore.dist.worker import DistKVStore, Item
 from tandem.kvstore.errors import KVStoreError
 
 P3_KINDS = {"dist_p3": "dist_sync", "dist_p3_async": "dist_async"}  # P3 kind -> the rounds it runs
+AUTO = 0  # slice_size (TANDEM_KVSTORE_SLICE_THRESHOLD) meaning "tune it"
+TUNER_KEY = "p3/tuner"  # where workers average their scores
+URGENT = 1 << 30  # the tuner's agreement must not wait behind the backlog
 
 
 @dataclass(frozen=True)
@@ -65,39 +73,99 @@ class RoundRobinPlacement:
 
 @dataclass(frozen=True)
 class P3Options:
-    """P3's own settings; ``from_env`` fills unset ones from the knobs."""
+    """P3's own settings; ``from_env`` fills unset ones from the knobs. ``slice_size`` 0 means "auto"."""
 
     slice_size: int
     water_mark: int
 
     def __post_init__(self) -> None:
-        if self.slice_size < 1:
+        if self.slice_size < 0:
             raise KVStoreError(
-                f"slice_size must be >= 1 (TANDEM_KVSTORE_SLICE_THRESHOLD), got {self.slice_size}"
+                f"slice_size must be >= 1, or 0 / 'auto' to tune it (TANDEM_KVSTORE_SLICE_THRESHOLD), "
+                f"got {self.slice_size}"
             )
         if self.water_mark < 1:
             raise KVStoreError(f"water_mark must be >= 1 (TANDEM_PS_WATER_MARK), got {self.water_mark}")
 
+    @property
+    def auto(self) -> bool:
+        return self.slice_size == AUTO
+
     @classmethod
-    def from_env(cls, slice_size: int | None = None, water_mark: int | None = None) -> P3Options:
-        return cls(
-            slice_size or knob("TANDEM_KVSTORE_SLICE_THRESHOLD"), water_mark or knob("TANDEM_PS_WATER_MARK")
-        )
+    def from_env(cls, slice_size: int | str | None = None, water_mark: int | None = None) -> P3Options:
+        if slice_size == "auto":
+            slice_size = AUTO
+        if isinstance(slice_size, str):
+            raise KVStoreError(f"slice_size must be an int or 'auto', got {slice_size!r}")
+        size = knob("TANDEM_KVSTORE_SLICE_THRESHOLD") if slice_size is None else slice_size
+        return cls(size, water_mark or knob("TANDEM_PS_WATER_MARK"))
 
 
 class P3KVStore(DistKVStore):
     """A worker's ``dist_p3`` store: round-robin slices, each its own request, sent by priority.
 
     Contract as ``DistKVStore`` (drive from one thread; handles may be waited on anywhere); requests
-    of one slot keep their order whatever their priorities.
+    of one slot keep their order whatever their priorities. With ``slice_size="auto"`` each key is
+    stored once per candidate slicing (under ``p3/<size>/<key>``) so that the tuner can switch
+    slicing between iterations; ``tuner.result`` holds the final choice.
     """
 
     def __init__(self, topology: Topology, options: DistOptions, p3: P3Options) -> None:
-        super().__init__(topology, options, RoundRobinPlacement(topology.num_servers, p3.slice_size))
+        start = SLICE_SIZES[2] if p3.auto else p3.slice_size
+        super().__init__(topology, options, RoundRobinPlacement(topology.num_servers, start))
         self.kind = next(kind for kind, rounds in P3_KINDS.items() if rounds == options.kind)
         self.p3 = p3
-        self.sender = PrioritySender(self._client, p3.water_mark, p3.slice_size, topology.rank)
+        self.sender = PrioritySender(self._client, p3.water_mark, start, topology.rank)
         self._client = self.sender  # type: ignore[assignment]  # same interface; queues tensor requests
+        self.tuner: AutoTuner | None = None
+        if p3.auto:
+            marks = tuple(sorted({*WATER_MARKS, p3.water_mark}))
+            self.tuner = AutoTuner(self._apply, self._agree, water_marks=marks, start=(start, p3.water_mark))
+            if not options.sync:
+                self.tuner.fix_slice_size()  # async workers cannot agree on a slicing
+        self._tuner_key_ready = False
+
+    def _apply(self, config: Config) -> None:
+        self.sender.slice_size, self.sender.water_mark = config
+
+    def _agree(self, cost: float) -> float:
+        """The mean of ``cost`` over workers (sync rounds sum the pushes)."""
+        if not self.options.sync:
+            return cost
+        value, out = torch.tensor([cost], dtype=torch.float64), torch.empty(1, dtype=torch.float64)
+        super()._send_tensors(Command.PUSHPULL, [(TUNER_KEY, value, [out])], URGENT, "p3 tuner").wait()
+        return out.item() / self.num_workers
+
+    def _sliced(self, size: int, command: Command, items: list[Item], priority: int, what: str) -> Handle:
+        self.placement = RoundRobinPlacement(self.num_servers, size)
+        renamed: list[Item] = [(f"p3/{size}/{key!r}", value, targets) for key, value, targets in items]
+        return super()._send_tensors(command, renamed, priority, what)
+
+    def _send_tensors(self, command: Command, items: list[Item], priority: int, what: str) -> Handle:
+        if self.tuner is None:
+            return super()._send_tensors(command, items, priority, what)
+        if command is Command.INIT:  # every candidate slicing starts from the initial values
+            for size in self.tuner.slice_sizes:
+                self._sliced(size, command, items, priority, what).wait()
+            return Handle.completed(what)
+        if command in (Command.PUSH, Command.PUSHPULL) and items:
+            self.tuner.observe(items[0][0])
+        return self._sliced(self.tuner.current[0], command, items, priority, what)
+
+    def init(self, keys: Key | Sequence[Key], values: Any) -> None:
+        super().init(keys, values)
+        if self.tuner is not None and self.options.sync and not self._tuner_key_ready:
+            self._tuner_key_ready = True
+            if self.rank == 0:
+                super()._send_tensors(Command.INIT, [(TUNER_KEY, torch.zeros(1, dtype=torch.float64), [])], 0,
+                                      "init").wait()  # fmt: skip
+            self.barrier()
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """As ``DistKVStore``'s; an auto-tuned store then keeps its slicing (servers now hold state per slice)."""
+        if self.tuner is not None:
+            self.tuner.fix_slice_size()
+        super().set_optimizer(optimizer)
 
 
 class PriorityReceive:
@@ -148,11 +216,12 @@ class P3Server(Server):
                      "priority": header.priority, "worker": header.sender_rank}, self._row)  # fmt: skip
 
 
-def connect(kind: str = "dist_p3", slice_size: int | None = None, water_mark: int | None = None,
+def connect(kind: str = "dist_p3", slice_size: int | str | None = None, water_mark: int | None = None,
             **options: Any) -> P3KVStore:  # fmt: skip
     """Join a P3 job: serve and exit (server role) or return the worker's ``P3KVStore``.
 
-    ``kind`` is ``dist_p3`` (sync rounds) or ``dist_p3_async``; other options as ``dist_sync``'s.
+    ``kind`` is ``dist_p3`` (sync rounds) or ``dist_p3_async``; ``slice_size`` (elements, or "auto")
+    and ``water_mark`` default to their knobs; other options as ``dist_sync``'s.
     """
     if kind not in P3_KINDS:
         raise KVStoreError(f"unknown P3 kind {kind!r}; choose one of {sorted(P3_KINDS)}")
