@@ -126,18 +126,24 @@ class Executor:
         return list(inputs) + [None] * (self.num_slots - self.num_inputs)
 
     def run(self, inputs: Sequence[torch.Tensor], engine: Engine | None = None,
-            parameter_vars: dict[str, Var] | None = None, timeout: float | None = None) -> list[Any]:
+            parameter_vars: dict[str, Var] | None = None, timeout: float | None = None,
+            gate: Callable[[Segment], None] | None = None) -> list[Any]:
         """Push one engine op per segment and wait for the last; returns the canonical outputs.
 
         A segment also reads the var of each parameter it uses (``parameter_vars``), so an op that
         writes a parameter (a pull from the parameter server) holds back exactly the segments that
-        need it. Gradient hooks run on the engine's thread when their segment ends.
+        need it. ``gate(segment)`` runs on the calling thread just before a segment is pushed: the
+        place to wait for that segment's parameters and push the ops that write them, while the
+        segments pushed before it already run. Gradient hooks run on the engine's thread when their
+        segment ends.
         """
         engine = engine if engine is not None else get_engine()
         slots = self.new_slots(inputs)
         report = RunReport(self.segment_sizes(), engine_ops=len(self.segments))
         start = time.perf_counter()
         for segment in self.segments:
+            if gate is not None:
+                gate(segment)
             reads = [parameter_vars[n] for n in segment.parameters if n in parameter_vars] if parameter_vars else []
             engine.push(partial(self._run_segment, segment, slots, report, start), reads=reads,
                         writes=(self._done,), name=segment.name, segment=segment.index)

@@ -75,6 +75,9 @@ class TrainStep:
     _compiled: dict[tuple[TensorSpec, ...], _Compiled] = field(default_factory=dict)
     _last: _Compiled | None = None
     _hooks: list[GradientHook] = field(default_factory=list)
+    # set by distributed training: per-parameter engine vars and the gate run before each segment
+    parameter_vars: dict[str, Any] | None = None
+    gate: Callable[[Any], None] | None = None
 
     # -- public ------------------------------------------------------------------------------
     def __call__(self, *batch: torch.Tensor) -> Any:
@@ -84,9 +87,11 @@ class TrainStep:
         graph = compiled.graph
         inputs = [params[n] for n in graph.param_names] + [buffers[n] for n in graph.buffer_names] + list(batch)
         if compiled.memory is None or self.config.measure_memory:
+            if self.gate is not None:
+                self.gate(None)  # the measuring interpreter bypasses the engine: every parameter must be final
             outputs, compiled.memory = compiled.executor.run_measured(inputs)
         else:
-            outputs = compiled.executor.run(inputs)
+            outputs = compiled.executor.run(inputs, parameter_vars=self.parameter_vars, gate=self.gate)
         compiled.runs += 1
         self._last = compiled
         return self._unpack(graph, outputs, buffers)

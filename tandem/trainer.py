@@ -36,6 +36,7 @@ class TrainerConfig:
     progress: bool = True  # tqdm bars in fit()
     kvstore: str | None = None  # None/"local" or "dist_sync", "dist_async", "dist_p3"
     update_on_kvstore: bool = True  # the servers run the optimizer (False: pushpull grads, update here)
+    communication: str = "auto"  # "baseline", "overlap" or "p3" (auto: p3 on dist_p3, else overlap)
 
     def __post_init__(self) -> None:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -77,7 +78,10 @@ class Trainer:
     def step(self, *batch: torch.Tensor) -> float:
         """One training step: forward, backward, (communicate), update. Returns the loss."""
         self.module.train()
-        result = self._compiled(batch)(*batch)
+        step = self._compiled(batch)
+        if self._distributed is not None:
+            self._distributed.attach(step)
+        result = step(*batch)
         if self._distributed is not None:
             self._distributed.after_backward(result)
         else:
@@ -98,7 +102,10 @@ class Trainer:
 
     def _update(self, grads: dict[str, torch.Tensor]) -> None:
         self.grads = grads
-        names = list(grads)
+        self._update_some(list(grads), grads)
+
+    def _update_some(self, names: list[str], grads: dict[str, torch.Tensor]) -> None:
+        """Clip and apply the optimizer to ``names`` in one fused call (all of them, or one layer)."""
         if self.config.clip_grad_norm is not None:
             from tandem.ops import clip_global_norm
 
@@ -132,7 +139,7 @@ class Trainer:
         """
         from tqdm.auto import tqdm
 
-        history = []
+        history: list[dict[str, float]] = []
         for _ in range(epochs):
             batches = self._batches(train_data, train=True)
             bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", disable=not self.config.progress, leave=False)
@@ -157,6 +164,8 @@ class Trainer:
 
         Runs a captured inference graph (one segment; TANDEM_BULK_INFERENCE=0 bulks it like training).
         """
+        if self._distributed is not None:
+            self._distributed.flush()  # outstanding replies become the parameters first
         loss_sum, correct, total, batches = 0.0, 0, 0, 0
         for batch in self._batches(data, train=False):
             if self._eval_step is None:
@@ -184,6 +193,8 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        if self._distributed is not None:
+            self._distributed.flush()
         optimizer: dict[str, Any]
         if isinstance(self.optimizer, torch.optim.Optimizer):
             optimizer = {"torch": self.optimizer.state_dict()}
@@ -211,6 +222,11 @@ class Trainer:
             self.optimizer.lr = optimizer["config"].get("lr", self.optimizer.lr)
         self.step_count, self.epoch = state["step"], state["epoch"]
         torch.set_rng_state(state["rng"])
+
+    def close(self) -> None:
+        """Finish outstanding communication and leave the parameter-server job (distributed only)."""
+        if self._distributed is not None:
+            self._distributed.close()
 
     def save(self, path: str) -> None:
         """Write a checkpoint (model, optimizer state, step, epoch, RNG) that torch.load can read."""

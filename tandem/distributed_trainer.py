@@ -1,0 +1,164 @@
+"""Data-parallel training on the parameter server: the Trainer's side of communication.
+
+Three modes, selectable for comparison (``Trainer(..., communication=...)``):
+  - ``baseline``: backward completes, then every gradient is pushed, then every parameter pulled.
+  - ``overlap``: each gradient is sent (pushpull, whole tensor, FIFO) the moment the backward
+    segment that finishes it ends (PaddlePaddle's overlap).
+  - ``p3``: the same on the ``dist_p3`` store: slices, priority ``-layer_index`` (layers nearest the
+    input first), a cap on slices in flight.
+In ``overlap`` and ``p3`` the next forward starts each segment as soon as the parameters *it* reads
+are back: before pushing a forward segment, the executor's gate waits for those parameters' replies
+and pushes one engine op per parameter that writes it (its engine var). The engine orders that write
+after this step's backward segments that still read the parameter, and before the next forward's
+segments that read it; segments whose parameters are not back yet simply are not pushed yet.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tandem.engine import get_engine, trace
+from tandem.executor import Segment
+from tandem.graph.train_graph import Phase
+
+if TYPE_CHECKING:
+    from tandem.step import TrainStep
+    from tandem.trainer import Trainer
+
+MODES = ("baseline", "overlap", "p3")
+
+
+def resolve_mode(communication: str, kind: str) -> str:
+    mode = ("p3" if kind == "dist_p3" else "overlap") if communication == "auto" else communication
+    if mode not in MODES:
+        raise ValueError(f"communication must be 'auto' or one of {MODES}, got {communication!r}")
+    if mode == "p3" and kind != "dist_p3":
+        raise ValueError(f"communication='p3' needs kvstore='dist_p3' (slices and priorities), got {kind!r}")
+    return mode
+
+
+class DistributedUpdate:
+    """Hooks one Trainer to a distributed kvstore. Driven by the trainer's thread; hooks run on the engine's."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        from tandem import kvstore
+
+        config = trainer.config
+        self.trainer = trainer
+        self.mode = resolve_mode(config.communication, str(config.kvstore))
+        if config.update_on_kvstore and isinstance(trainer.optimizer, torch.optim.Optimizer):
+            raise TypeError("update_on_kvstore=True runs the optimizer on the servers: pass a tandem.optim "
+                            "optimizer, or update_on_kvstore=False to keep a torch.optim optimizer here")
+        if config.clip_grad_norm is not None:
+            raise ValueError("clip_grad_norm is not supported with a distributed kvstore yet: gradients leave "
+                             "per layer, before a global norm exists; clip inside loss_fn or drop the option")
+        self.store = kvstore.create(str(config.kvstore))
+        self.engine = get_engine()
+        self._names: list[str] = []
+        self._received: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, Any] = {}  # parameter name -> kvstore handle of its reply
+        self._vars: dict[str, Any] = {}
+        self._priority: dict[str, int] = {}
+        self._attached: set[int] = set()
+
+    @property
+    def rank(self) -> int:
+        return self.store.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self.store.num_workers
+
+    def shard(self, dataset: Any) -> Any:
+        from tandem.data import shard
+
+        return shard(dataset, self.rank, self.num_workers)
+
+    # -- set-up: once per captured step --------------------------------------------------------
+    def attach(self, step: TrainStep) -> None:
+        if id(step) in self._attached:
+            return
+        self._attached.add(id(step))
+        params = self.trainer._params
+        self._names = list(step.graph.grads)  # parameter (forward) order
+        self._priority = {name: -index for index, name in enumerate(self._names)}
+        values = [params[n].detach() for n in self._names]
+        self.store.init(self._names, values)  # collective: every worker starts from worker 0's values
+        if self.trainer.config.update_on_kvstore:
+            self.store.set_optimizer(self.trainer.optimizer)
+        self.store.pull(self._names, [params[n].data for n in self._names]).wait()
+        self._received = {n: torch.empty_like(params[n]) for n in self._names}
+        self._vars = {n: self.engine.new_var(f"param {n}") for n in self._names}
+        step.parameter_vars = self._vars
+        step.gate = self._gate
+        if self.mode != "baseline":
+            step.add_gradient_hook(self._send)
+
+    # -- communication ---------------------------------------------------------------------------
+    def _send(self, name: str, grad: torch.Tensor) -> None:
+        """Gradient hook (engine thread): send this gradient now; the reply lands in _received[name]."""
+        start = trace.now_us()
+        priority = self._priority[name] if self.mode == "p3" else 0
+        self._pending[name] = self.store.pushpull(name, self._outgoing(grad), out=self._received[name], priority=priority)
+        if trace.enabled():
+            trace.record(f"send {name}", start, trace.now_us(), category="comm", args={"priority": priority})
+
+    def _outgoing(self, grad: torch.Tensor) -> torch.Tensor:
+        # Servers sum the workers' pushes: with mean-reduced losses, send grad / workers for the global mean.
+        return grad / self.num_workers if self.trainer.config.update_on_kvstore else grad
+
+    def _gate(self, segment: Segment | None) -> None:
+        """Before a segment is pushed (trainer thread): make its parameters' replies take effect."""
+        if segment is None:  # everything, and wait until written (a measured run bypasses the engine)
+            self.flush()
+            return
+        names = segment.parameters if segment.phase == Phase.FORWARD else list(self._pending)
+        for name in names:
+            if name in self._pending:
+                self._apply(name)
+
+    def _apply(self, name: str) -> None:
+        handle = self._pending.pop(name)
+        start = time.perf_counter()
+        handle.wait()  # bounded by TANDEM_PS_WAIT_TIMEOUT; a dead peer is reported sooner by heartbeats
+        waited = time.perf_counter() - start
+        if trace.enabled() and waited > 0:
+            trace.record(f"wait {name}", trace.now_us() - waited * 1e6, trace.now_us(), category="comm")
+        self.engine.push(partial(self._write, name), writes=(self._vars[name],), name=f"apply {name}")
+
+    def _write(self, name: str) -> None:
+        """Engine op: the reply becomes the parameter (after this step's readers of it finished)."""
+        param = self.trainer._params[name]
+        with torch.no_grad():
+            if self.trainer.config.update_on_kvstore:
+                param.copy_(self._received[name])
+            else:
+                self.trainer._update_some([name], {name: self._received[name] / self.num_workers})
+
+    def after_backward(self, result: Any) -> None:
+        """After a step: baseline pushes everything, then pulls everything; the others already sent."""
+        if self.mode != "baseline":
+            return
+        params = self.trainer._params
+        grads = [self._outgoing(result.grads[n]) for n in self._names]
+        self.store.push(self._names, grads)
+        if self.trainer.config.update_on_kvstore:
+            self.store.pull(self._names, [params[n].data for n in self._names]).wait()
+        else:
+            self.store.pull(self._names, [self._received[n] for n in self._names]).wait()
+            self.trainer._update_some(self._names, {n: self._received[n] / self.num_workers for n in self._names})
+
+    def flush(self) -> None:
+        """Apply every outstanding reply and wait until the parameters are written (before eval/save)."""
+        for name in list(self._pending):
+            self._apply(name)
+        for var in self._vars.values():
+            self.engine.wait(var)
+
+    def close(self) -> None:
+        self.flush()
+        self.store.close()

@@ -1,0 +1,32 @@
+"""Trainer(kvstore=...) on real processes: each worker trains on its half of every batch.
+
+Usage: trainer_modes.py KIND MODE UPDATE_ON_KVSTORE OUT_DIR STEPS MODEL
+Writes OUT_DIR/rank{r}.pt with the final parameters and OUT_DIR/report{r}.txt with the step report.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import tandem
+from tandem import models, optim
+
+kind, mode, update_on_kvstore, out, steps, model_name = sys.argv[1:7]
+torch.manual_seed(0)
+entry = models.ZOO[model_name]
+module = entry.build(**entry.tiny).double()
+batch = entry.make_batch(8, torch.Generator().manual_seed(1), dtype=torch.float64, **entry.tiny)
+trainer = tandem.Trainer(module, entry.loss_fn, optim.SGD(lr=0.1, momentum=0.9), kvstore=kind, communication=mode,
+                         update_on_kvstore=update_on_kvstore == "1", bulk_fwd=3, bulk_bwd=2)
+rank, workers = trainer._distributed.rank, trainer._distributed.num_workers
+rows = slice(rank * 8 // workers, (rank + 1) * 8 // workers)
+for _ in range(int(steps)):
+    trainer.step(*(t[rows] for t in batch))
+trainer.close()
+torch.save(dict(module.named_parameters()), Path(out) / f"rank{rank}.pt")
+report = trainer.train_step.executor.last_report
+Path(out, f"report{rank}.txt").write_text(f"{report.num_segments} {len(report.gradient_ready_s)}")
+print(f"trainer_modes OK rank {rank} mode {mode}")

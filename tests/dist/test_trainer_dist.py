@@ -1,0 +1,38 @@
+"""Trainer(kvstore=...): data-parallel results equal one process on the whole batch, in every mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tandem
+from tandem import models, optim
+from tests.dist.jobs import run_job
+
+
+def single_process(model_name: str, steps: int, batch_size: int = 8) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    entry = models.ZOO[model_name]
+    module = entry.build(**entry.tiny).double()
+    batch = entry.make_batch(batch_size, torch.Generator().manual_seed(1), dtype=torch.float64, **entry.tiny)
+    trainer = tandem.Trainer(module, entry.loss_fn, optim.SGD(lr=0.1, momentum=0.9))
+    for _ in range(steps):
+        trainer.step(*batch)
+    return dict(module.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "kind, mode, update_on_kvstore",
+    [("dist_sync", "baseline", "1"), ("dist_sync", "overlap", "1"), ("dist_sync", "overlap", "0"),
+     ("dist_sync", "baseline", "0")],
+)
+def test_two_workers_equal_one_process(kind: str, mode: str, update_on_kvstore: str, tmp_path: Path) -> None:
+    steps = 10
+    run_job("trainer_modes.py", 2, 2, kind, mode, update_on_kvstore, str(tmp_path), str(steps), "mlp")
+    expected = single_process("mlp", steps)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for name, value in expected.items():
+            torch.testing.assert_close(result[name], value.detach(), rtol=1e-9, atol=1e-11, msg=f"rank {rank} {name}")
