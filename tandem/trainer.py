@@ -13,11 +13,13 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from tandem.engine import get_engine
 from tandem.graph.capture import LossFn
 from tandem.step import EvalStep, StepConfig, StepResult, TrainStep, compile_eval
 from tandem.step import compile as compile_step
@@ -72,6 +74,8 @@ class Trainer:
         self._eval_step: EvalStep | None = None
         self._states: dict[str, dict[str, torch.Tensor]] = {}
         self._params = dict(module.named_parameters())
+        self._engine = get_engine()
+        self._vars: dict[str, Any] = {}
         self._distributed = _make_distributed(self) if self.config.kvstore not in (None, "local") else None
 
     # -- one step -----------------------------------------------------------------------------
@@ -86,12 +90,17 @@ class Trainer:
             self._distributed.after_backward(result)
         else:
             self._update(result.grads)
+            self.sync()  # sync point: like torch, parameters are updated when step() returns
         self.step_count += 1
         return float(result.loss)
 
     def _compiled(self, batch: tuple[torch.Tensor, ...]) -> TrainStep:
         if self._train_step is None:
             self._train_step = compile_step(self.module, self.loss_fn, *batch, **vars(self.config.step))
+            if self._distributed is None:  # the fused update is an engine op the next forward waits for
+                self._vars = {name: self._engine.new_var(f"param {name}") for name in self._params}
+                self._train_step.parameter_vars = self._vars
+                self._train_step.gate = lambda segment: self.sync() if segment is None else None
         return self._train_step
 
     @property
@@ -101,11 +110,25 @@ class Trainer:
         return self._train_step
 
     def _update(self, grads: dict[str, torch.Tensor]) -> None:
+        """One engine op runs the fused update; segments reading a parameter wait on its var."""
         self.grads = grads
-        self._update_some(list(grads), grads)
+        names = list(grads)
+        self._engine.push(partial(self._update_some, names, grads), writes=tuple(self._vars[n] for n in names),
+                          name="fused optimizer update")
+
+    def sync(self) -> None:
+        """Block until pending parameter updates are written (before reading parameters here)."""
+        if self._distributed is not None:
+            self._distributed.flush()
+        for var in self._vars.values():
+            self._engine.wait(var)
 
     def _update_some(self, names: list[str], grads: dict[str, torch.Tensor]) -> None:
         """Clip and apply the optimizer to ``names`` in one fused call (all of them, or one layer)."""
+        with torch.no_grad():
+            self._update_now(names, grads)
+
+    def _update_now(self, names: list[str], grads: dict[str, torch.Tensor]) -> None:
         if self.config.clip_grad_norm is not None:
             from tandem.ops import clip_global_norm
 
@@ -119,11 +142,11 @@ class Trainer:
         for name, param in zip(names, params):
             if name not in self._states:
                 self._states[name] = self.optimizer.create_state(param)
-        with torch.no_grad():
-            self.optimizer.update(params, [grads[n] for n in names], [self._states[n] for n in names])
+        self.optimizer.update(params, [grads[n] for n in names], [self._states[n] for n in names])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero, in one fused op) the gradients of the last step."""
+        self.sync()
         if set_to_none:
             self.grads = {}
             return
@@ -164,8 +187,7 @@ class Trainer:
 
         Runs a captured inference graph (one segment; TANDEM_BULK_INFERENCE=0 bulks it like training).
         """
-        if self._distributed is not None:
-            self._distributed.flush()  # outstanding replies become the parameters first
+        self.sync()  # outstanding updates (local or from the servers) become the parameters first
         loss_sum, correct, total, batches = 0.0, 0, 0, 0
         for batch in self._batches(data, train=False):
             if self._eval_step is None:
@@ -193,8 +215,7 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        if self._distributed is not None:
-            self._distributed.flush()
+        self.sync()
         optimizer: dict[str, Any]
         if isinstance(self.optimizer, torch.optim.Optimizer):
             optimizer = {"torch": self.optimizer.state_dict()}
@@ -210,6 +231,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sync()
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"checkpoint format {state.get('format')} is not {CHECKPOINT_FORMAT}; "
                              "it was written by another tandem version")
