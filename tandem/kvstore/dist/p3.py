@@ -27,7 +27,7 @@ from tandem.env import knob
 from tandem.kvstore.base import Handle
 from tandem.kvstore.dist.p3_queue import LanePriorityQueue
 from tandem.kvstore.dist.p3_sender import PrioritySender
-from tandem.kvstore.dist.p3_tuner import SLICE_SIZES, WATER_MARKS, AutoTuner, Config
+from tandem.kvstore.dist.p3_tuner import DEFAULT_SLICE_SIZE, WATER_MARKS, AutoTuner, Config
 from tandem.kvstore.dist.placement import Slice, stable_server
 from tandem.kvstore.dist.protocol import Command, Key, Message
 from tandem.kvstore.dist.server import Server
@@ -111,7 +111,7 @@ class P3KVStore(DistKVStore):
     """
 
     def __init__(self, topology: Topology, options: DistOptions, p3: P3Options) -> None:
-        start = SLICE_SIZES[2] if p3.auto else p3.slice_size
+        start = DEFAULT_SLICE_SIZE if p3.auto else p3.slice_size
         super().__init__(topology, options, RoundRobinPlacement(topology.num_servers, start))
         self.kind = next(kind for kind, rounds in P3_KINDS.items() if rounds == options.kind)
         self.p3 = p3

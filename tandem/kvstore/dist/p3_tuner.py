@@ -7,7 +7,7 @@ and both knobs are small ordered grids with a single broad optimum, so a coordin
 enough: measure the start point; walk the slice-size grid up while iteration time improves by more
 than ``tolerance``, else down; then the same for the water mark at the chosen slice size. Each
 point runs ``steps_per_trial`` iterations and scores the median of all but the first (which still
-carries traffic of the previous point). Typically 5-7 points, i.e. 15-21 iterations, then fixed.
+carries traffic of the previous point). Typically 5-7 points, i.e. 20-30 iterations, then fixed.
 
 Every worker must slice the same way, so each score is averaged over workers (``agree``) before
 the search takes a step: all workers then walk the same path.
@@ -21,8 +21,9 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 Config = tuple[int, int]  # (slice_size, water_mark)
-SLICE_SIZES = (10_000, 20_000, 40_000, 80_000, 160_000, 320_000)
+SLICE_SIZES = (5_000, 10_000, 20_000, 40_000, 80_000, 160_000, 320_000)
 WATER_MARKS = (1, 2, 4, 10, 20, 40)
+DEFAULT_SLICE_SIZE = 40_000  # MXNet's MXNET_KVSTORE_SLICE_THRESHOLD: where the search starts
 
 
 def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int],
@@ -59,8 +60,8 @@ class AutoTuner:
     agree: Callable[[float], float]
     slice_sizes: tuple[int, ...] = SLICE_SIZES
     water_marks: tuple[int, ...] = WATER_MARKS
-    start: Config = (40_000, 10)
-    steps_per_trial: int = 3
+    start: Config = (DEFAULT_SLICE_SIZE, 10)
+    steps_per_trial: int = 4
     warmup: int = 2
     tolerance: float = 0.03
     clock: Callable[[], float] = time.perf_counter
