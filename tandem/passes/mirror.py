@@ -152,14 +152,19 @@ def _fit_budget(graph: TrainGraph, view: ForwardView, policy: MirrorPolicy, off:
 
     Min-cut is exact for "kept bytes + price x flops"; sweeping the price traces the trade-off
     curve, and simulating each point checks the real objective (the peak, which is not additive).
+    Each cut is tried with recompute copies shared (Chen-style) and redone per reader; the
+    memory-aware and sqrt plans join the pool, so a budget is never worse than either.
     """
     budget = policy.budget_bytes if policy.budget_bytes is not None else int(policy.fraction * off.peak_bytes)  # type: ignore[operator]
-    decisions = [set(), select.memory_aware(view)] + [select.min_cut(view, p) for p in select.price_sweep()]
-    plans: dict[frozenset[str], Plan] = {}
-    for decision in decisions:
-        key = frozenset(n.name for n in decision)
+    cuts = [select.min_cut(view, price) for price in select.price_sweep()]
+    decisions: list[tuple[set[fx.Node], Share]] = [(set(), share_all), (select.memory_aware(view), share_expensive),
+                                                   (select.sqrt_checkpoints(view), share_all)]
+    decisions += [(cut, share) for cut in cuts for share in (share_expensive, share_all)]
+    plans: dict[tuple[frozenset[str], Share], Plan] = {}
+    for decision, share in decisions:
+        key = (frozenset(n.name for n in decision), share)
         if key not in plans:
-            plans[key] = build(graph, decision, share_expensive)
+            plans[key] = build(graph, decision, share)
     fitting = [p for p in plans.values() if p.memory.peak_bytes <= budget]
     if fitting:
         plan = min(fitting, key=lambda p: (p.recompute_flops, p.memory.peak_bytes))

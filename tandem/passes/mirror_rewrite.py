@@ -97,6 +97,14 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
                 last_read[source.name] = position[node]
     live: dict[str, tuple[fx.Node, int]] = {}  # name -> (copy, last position it may be reused at)
     flops = 0
+    lengths: dict[fx.Node, int] = {}
+
+    def chain_length(value: fx.Node) -> int:
+        """How many mirrored values a recompute of ``value`` runs through (graph order: inputs first)."""
+        if value not in lengths:
+            inputs = [chain_length(a) for a in value.all_input_nodes if a.name in mirrored]
+            lengths[value] = 1 + max(inputs, default=0)
+        return lengths[value]
 
     def copy_of(value: fx.Node, reader: fx.Node, memo: dict[str, fx.Node], depth: int = 0) -> fx.Node:
         nonlocal flops
@@ -106,7 +114,9 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
         held = live.get(value.name)
         if held is not None and held[1] >= here:
             return held[0]
-        inputs = {a: copy_of(a, reader, memo, depth + 1) for a in value.all_input_nodes if a.name in mirrored}
+        # Deepest input chain first (Sethi-Ullman): a cheap input computed early would wait, alive, for it.
+        sources = sorted((a for a in value.all_input_nodes if a.name in mirrored), key=chain_length, reverse=True)
+        inputs = {a: copy_of(a, reader, memo, depth + 1) for a in sources}
         with graph.graph.inserting_before(reader):
             copy = graph.graph.node_copy(value, lambda a: inputs.get(a, a))
         copy.meta = {**value.meta, MetaKey.PHASE: Phase.BACKWARD, MetaKey.RECOMPUTE_OF: value.name}

@@ -104,7 +104,13 @@ def memory_aware(view: ForwardView) -> set[fx.Node]:
 
 
 def _frontier_groups(view: ForwardView, mirrored: set[fx.Node]) -> list[set[fx.Node]]:
-    frontier = [n for n in view.forward if n in mirrored and not any(a in mirrored for a in n.all_input_nodes)]
+    # Values recomputed from free inputs alone (masks, zeros) keep no bytes: they never block a frontier.
+    constant: set[fx.Node] = set()
+    for node in view.forward:
+        if node in mirrored and all(a in constant for a in view.forward_inputs(node)):
+            constant.add(node)
+    frontier = [n for n in view.forward if n in mirrored and n not in constant
+                and not any(a in mirrored and a not in constant for a in n.all_input_nodes)]
     parent = {n: n for n in frontier}
 
     def find(node: fx.Node) -> fx.Node:
