@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 DATASETS = ("digits", "synthetic-images", "synthetic-tokens")
@@ -76,23 +78,38 @@ def train(args: argparse.Namespace) -> int:
     import torch
 
     from tandem import models
+    from tandem.env import knob
     from tandem.trainer import Trainer
 
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1)))
+    if args.kvstore and args.kvstore != "local" and knob("TANDEM_ROLE") == "server":
+        from tandem import kvstore
+
+        kvstore.create(args.kvstore)  # a server of the job: serves until the job ends, then exits
+        return 0
+    torch.set_num_threads(args.threads or knob("TANDEM_NUM_THREADS") or max(1, (os.cpu_count() or 1)))
     torch.manual_seed(args.seed)
     overrides = dict(_split_pair(item, "--model-arg") for item in args.model_arg)
     config = _model_config(args.model, args.data, {k: _parse_value(v) for k, v in overrides.items()})
     module = models.build(args.model, **config)
     entry = models.ZOO[args.model]
     train_set, test_set = _datasets(args, config)
-    options: dict[str, Any] = {"batch_size": args.batch_size, "seed": args.seed, "progress": not args.no_progress}
-    for name in ("mirror", "bulk_fwd", "bulk_bwd", "kvstore", "clip_grad_norm"):
+    workers = knob("TANDEM_NUM_WORKERS") if args.kvstore not in (None, "local") else 1
+    if args.batch_size % workers:
+        raise SystemExit(f"--batch-size {args.batch_size} is the global batch: it must divide by the {workers} workers")
+    options: dict[str, Any] = {"batch_size": args.batch_size // workers, "seed": args.seed,
+                               "progress": not args.no_progress}
+    for name in ("mirror", "bulk_fwd", "bulk_bwd", "kvstore", "clip_grad_norm", "communication"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     trainer = Trainer(module, entry.loss_fn, _optimizer(args), **options)
+    rank = trainer._distributed.rank if trainer._distributed is not None else 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     parameters = sum(p.numel() for p in module.parameters())
+    where = f" on worker {rank} of {workers}" if workers > 1 else ""
     print(f"tandem: training {args.model} ({parameters / 1e6:.2f}M parameters) on {args.data} "
-          f"({len(train_set)} train / {len(test_set)} test samples), batch {args.batch_size}, {args.epochs} epochs")
+          f"({len(train_set)} train / {len(test_set)} test samples), global batch {args.batch_size}, "
+          f"{args.epochs} epochs{where}")
     start = time.perf_counter()
     history = []
     for _ in range(args.epochs):
@@ -100,18 +117,46 @@ def train(args: argparse.Namespace) -> int:
         history.append(record)
         accuracy = f", test accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""
         print(f"epoch {int(record['epoch'])}: train loss {record['train_loss']:.4f}, "
-              f"test loss {record['eval_loss']:.4f}{accuracy}, {record['samples_per_s']:.0f} samples/s")
+              f"test loss {record['eval_loss']:.4f}{accuracy}, {record['samples_per_s'] * workers:.0f} samples/s")
     elapsed = time.perf_counter() - start
     if args.save:
         trainer.save(args.save)
         print(f"checkpoint written to {args.save}")
     final = history[-1]
     report = trainer.train_step.memory_report()
+    trainer.close()
+    suffix = f"-rank{rank}" if workers > 1 else ""
+    (out / f"history{suffix}.json").write_text(json.dumps(history, indent=1))
+    plot = _plot_history(history, out / f"training{suffix}.png", f"{args.model} on {args.data}")
     accuracy = f"test_accuracy={final['eval_accuracy']:.4f} " if "eval_accuracy" in final else ""
     print(f"tandem: done: model={args.model} data={args.data} epochs={args.epochs} {accuracy}"
-          f"test_loss={final['eval_loss']:.4f} samples_per_s={final['samples_per_s']:.0f} "
+          f"test_loss={final['eval_loss']:.4f} samples_per_s={final['samples_per_s'] * workers:.0f} "
           f"peak_activation_MB={report['peak_bytes'] / 2**20:.1f} time={elapsed:.1f}s")
+    trace_path = os.environ.get("TANDEM_TRACE", "")
+    print(f"tandem: outputs: history and plot {plot}"
+          + (f", trace {trace_path.replace('{pid}', str(os.getpid()))} (open in ui.perfetto.dev)" if trace_path else ""))
     return 0
+
+
+def _plot_history(history: list[dict[str, float]], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in history]
+    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(9, 3.5))
+    loss_axis.plot(epochs, [r["train_loss"] for r in history], marker="o", label="train")
+    loss_axis.plot(epochs, [r["eval_loss"] for r in history], marker="o", label="test")
+    loss_axis.set(xlabel="epoch", ylabel="loss", title=title)
+    loss_axis.legend()
+    if all("eval_accuracy" in r for r in history):
+        accuracy_axis.plot(epochs, [r["eval_accuracy"] for r in history], marker="o", color="C2")
+        accuracy_axis.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 def _split_pair(item: str, flag: str) -> tuple[str, str]:
@@ -135,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="resnet", choices=["mlp", "resnet", "vgg", "lstm_lm", "gpt"])
     p.add_argument("--data", default="digits", choices=DATASETS)
     p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch (split over the workers)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw", "lamb"])
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -146,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bulk-fwd", type=int, default=None, help="forward segment cap (op nodes)")
     p.add_argument("--bulk-bwd", type=int, default=None, help="backward segment cap (op nodes)")
     p.add_argument("--kvstore", default=None, help="local | dist_sync | dist_async | dist_p3 (under tandem launch)")
+    p.add_argument("--communication", default=None, choices=["auto", "baseline", "overlap", "p3"],
+                   help="how gradients travel with a distributed kvstore (auto: p3 on dist_p3, else overlap)")
+    p.add_argument("--out", default="runs/latest", help="directory for history.json and the training plot")
     p.add_argument("--samples", type=int, default=4096, help="size of synthetic data sets")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model constructor overrides")
     p.add_argument("--seed", type=int, default=0)
