@@ -64,7 +64,6 @@ class _Compiled:
     graph: TrainGraph
     executor: Executor
     memory: MemoryStats | None = None
-    runs: int = 0
 
 
 @dataclass
@@ -92,7 +91,6 @@ class TrainStep:
             outputs, compiled.memory = compiled.executor.run_measured(inputs)
         else:
             outputs = compiled.executor.run(inputs, parameter_vars=self.parameter_vars, gate=self.gate)
-        compiled.runs += 1
         self._last = compiled
         return self._unpack(graph, outputs, buffers)
 
@@ -202,6 +200,6 @@ def compile(module: nn.Module, loss_fn: LossFn, *example_batch: torch.Tensor, **
     """
     config = StepConfig.from_options(options)
     step = TrainStep(module=module, loss_fn=loss_fn, config=config)
-    step._capture(example_batch, tuple(TensorSpec.of(t) if isinstance(t, torch.Tensor) else t for t in example_batch))  # type: ignore[arg-type]
+    step._for_batch(example_batch)
     return step
 
