@@ -48,7 +48,8 @@ class PrioritySender:
     """Stands in for a ``Client``: tensor requests are queued by priority, control requests pass straight.
 
     Thread safety: ``submit``, ``outstanding`` and ``water_mark`` may be used from any thread; one
-    sender thread hands requests to the client; replies are completed in the client's IO thread.
+    sender thread hands queued requests to the client (``submit`` sends itself when the queue is
+    empty and the cap allows); replies are completed in the client's IO thread.
     """
 
     def __init__(self, client: Client, water_mark: int, slice_size: int, rank: int) -> None:
@@ -56,7 +57,7 @@ class PrioritySender:
             raise KVStoreError(f"water_mark must be >= 1 (TANDEM_PS_WATER_MARK), got {water_mark}")
         self._client, self._water_mark, self.slice_size = client, water_mark, slice_size
         self._queue: LanePriorityQueue[_Request] = LanePriorityQueue()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.RLock())
         self._in_flight = 0  # pushes sent and not acknowledged
         self._handing_over = 0  # popped, not yet registered by the client
         self._stopping = False
@@ -92,6 +93,12 @@ class PrioritySender:
         with self._cond:
             if self._stopping:
                 raise KVStoreError("this kvstore is closing; no new requests")
+            if not self._queue and not self._handing_over and self._in_flight < self._water_mark:
+                # nothing to overtake: send from this thread (saves a thread hand-off per slice);
+                # holding the lock keeps every other send, and so every lane, behind this one
+                self._in_flight += request.capped
+                self._send(request)
+                return
             self._queue.put(request, header.priority, (server, header.key, header.slice_start))
             self._cond.notify_all()
 
@@ -133,7 +140,7 @@ class PrioritySender:
             self._queue.pop().on_error(error)
 
     def _release(self) -> None:
-        with self._cond:
+        with self._cond:  # reentrant: a reply may fail inside an inline send
             self._in_flight -= 1
             self._cond.notify_all()
 
