@@ -50,6 +50,7 @@ from tandem.step import StepConfig  # noqa: E402
 OUT = Path(__file__).resolve().parent / "out"
 COMMAND = "PYTHONPATH=. .venv/bin/python bench/mirror.py"
 BUDGETS = (0.8, 0.6, 0.4)
+RSS_BATCH_FACTOR = 4  # RSS runs use a bigger batch, so activations show above the interpreter and capture
 MB = 1e6
 
 # Sizes where activations dominate the step's memory, small enough for 2 shared CPU cores.
@@ -69,7 +70,8 @@ class Column:
     family: str  # eager / checkpoint / tandem / pytorch
     step: Callable[[], Any]
     budget: float | None = None
-    times: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # wall-clock seconds per step
+    cpu_times: list[float] = field(default_factory=list)  # process CPU seconds per step (all threads)
     peak_bytes: int = 0
     tandem_peak: int | None = None
     recompute_flops: int | None = None
@@ -78,6 +80,10 @@ class Column:
     @property
     def seconds(self) -> float:
         return statistics.median(self.times)
+
+    @property
+    def cpu_seconds(self) -> float:
+        return statistics.median(self.cpu_times)
 
 
 # -- one meter for every column -----------------------------------------------------------------
@@ -131,8 +137,8 @@ def checkpointed(module: nn.Module) -> nn.Module:
 def tandem_columns(module: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
                    policies: list[str | float]) -> list[Column]:
     captured = capture(module, loss_fn, batch)
-    params = dict(module.named_parameters())
-    buffers = {n: b.clone() for n, b in module.named_buffers()}  # the bench never writes stats back
+    params = dict(module.named_parameters(remove_duplicate=False))  # tied weights: every name the graph reads
+    buffers = {n: b.clone() for n, b in module.named_buffers(remove_duplicate=False)}  # stats are never written back
     columns = []
     for policy in tqdm(policies, desc="  tandem plans", leave=False):
         graph = plan(captured.clone(), StepConfig(mirror=policy))
@@ -197,9 +203,10 @@ def measure(columns: list[Column], rounds: int) -> None:
         column.peak_bytes = allocator_peak(column.metered_step or column.step)
     for _ in tqdm(range(rounds), desc="  timing rounds", leave=False):
         for column in columns:  # round-robin: noise hits every column alike
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             column.step()
             column.times.append(time.perf_counter() - start)
+            column.cpu_times.append(time.process_time() - cpu_start)
 
 
 # -- process RSS and the larger batch ---------------------------------------------------------------
@@ -208,7 +215,7 @@ def measure(columns: list[Column], rounds: int) -> None:
 def rss_child(name: str, policy: str, quick: bool) -> None:
     """Runs in a subprocess: three steps of one policy, prints peak RSS in bytes."""
     config, batch_size = (QUICK if quick else MODELS)[name]
-    module, loss_fn, batch = build(name, config, batch_size)
+    module, loss_fn, batch = build(name, config, RSS_BATCH_FACTOR * batch_size)
     if policy == "eager":
         for _ in range(3):
             eager_step(module, loss_fn, batch)
@@ -218,7 +225,16 @@ def rss_child(name: str, policy: str, quick: bool) -> None:
         step = tandem.compile(module, loss_fn, *batch, mirror=policy)
         for _ in range(3):
             step(*batch)
-    print(json.dumps({"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(json.dumps({"maxrss_bytes": peak_rss()}))
+
+
+def peak_rss() -> int:
+    """This process's peak RSS. VmHWM, not ru_maxrss: ru_maxrss survives exec, so a child started
+    from a big parent reports the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def process_rss(name: str, policy: str, quick: bool) -> int:
@@ -252,14 +268,14 @@ def largest_batch(name: str, config: dict[str, Any], policy: str, cap: int, star
 def table(name: str, columns: list[Column]) -> list[str]:
     eager, off = columns[0], next(c for c in columns if c.label == "tandem off")
     lines = [f"### {name}", "",
-             "| column | peak MB (allocator) | vs eager | tandem peak MB | vs tandem off | step ms | time vs off | recompute MFLOP |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| column | peak MB (allocator) | vs eager | tandem peak MB | vs tandem off | step ms | CPU ms | CPU vs off | recompute MFLOP |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in columns:
         tandem_peak = f"{c.tandem_peak / MB:.1f}" if c.tandem_peak is not None else ""
         versus_off = f"{c.tandem_peak / off.tandem_peak:.2f}x" if c.tandem_peak is not None and off.tandem_peak else ""
         flops = f"{c.recompute_flops / 1e6:.1f}" if c.recompute_flops is not None else ""
         lines.append(f"| {c.label} | {c.peak_bytes / MB:.1f} | {c.peak_bytes / eager.peak_bytes:.2f}x | {tandem_peak} | "
-                     f"{versus_off} | {c.seconds * 1e3:.1f} | {c.seconds / off.seconds:.2f}x | {flops} |")
+                     f"{versus_off} | {c.seconds * 1e3:.1f} | {c.cpu_seconds * 1e3:.1f} | {c.cpu_seconds / off.cpu_seconds:.2f}x | {flops} |")
     return lines
 
 
@@ -273,13 +289,13 @@ def plot(name: str, columns: list[Column]) -> None:
     for family, marker in (("tandem", "o"), ("pytorch", "s")):
         curve = sorted((c for c in columns if c.family == family and (c.budget is not None or c.label == "tandem off")),
                        key=lambda c: c.peak_bytes)
-        axes.plot([c.seconds * 1e3 for c in curve], [c.peak_bytes / MB for c in curve], marker=marker, alpha=0.4,
+        axes.plot([c.cpu_seconds * 1e3 for c in curve], [c.peak_bytes / MB for c in curve], marker=marker, alpha=0.4,
                   label=f"{family} budget curve")
     for c in columns:
-        axes.scatter(c.seconds * 1e3, c.peak_bytes / MB, s=18)
-        axes.annotate(c.label.replace("tandem ", "t:").replace("pytorch budget", "pt"), (c.seconds * 1e3, c.peak_bytes / MB),
+        axes.scatter(c.cpu_seconds * 1e3, c.peak_bytes / MB, s=18)
+        axes.annotate(c.label.replace("tandem ", "t:").replace("pytorch budget", "pt"), (c.cpu_seconds * 1e3, c.peak_bytes / MB),
                       fontsize=7, xytext=(3, 3), textcoords="offset points")
-    axes.set_xlabel("step time (ms, median)")
+    axes.set_xlabel("step CPU time (ms, median)")
     axes.set_ylabel("peak allocated during the step (MB)")
     axes.set_title(f"{name}: memory vs time per mirroring policy")
     axes.legend(fontsize=8)
@@ -293,20 +309,21 @@ def goals(name: str, columns: list[Column]) -> list[str]:
     off, aware = by["tandem off"], by["tandem memory-aware"]
     cut = 1 - aware.peak_bytes / off.peak_bytes
     lines = [f"- {name}: memory-aware peak {aware.peak_bytes / MB:.1f} MB vs off {off.peak_bytes / MB:.1f} MB "
-             f"({cut:.0%} lower, {off.peak_bytes / aware.peak_bytes:.2f}x), step time {aware.seconds / off.seconds - 1:+.0%}; "
+             f"({cut:.0%} lower, {off.peak_bytes / aware.peak_bytes:.2f}x), step CPU time {aware.cpu_seconds / off.cpu_seconds - 1:+.0%} "
+             f"(wall {aware.seconds / off.seconds - 1:+.0%}); "
              f"tandem meter: {1 - aware.tandem_peak / off.tandem_peak:.0%} lower"]  # type: ignore[operator]
     for budget in BUDGETS:
         ours, theirs = by[f"tandem budget {budget:g}"], by[f"pytorch budget {budget:g}"]
-        lines.append(f"  - budget {budget:g}: tandem {ours.peak_bytes / MB:.1f} MB / {ours.seconds * 1e3:.0f} ms, "
-                     f"pytorch {theirs.peak_bytes / MB:.1f} MB / {theirs.seconds * 1e3:.0f} ms")
+        lines.append(f"  - budget {budget:g}: tandem {ours.peak_bytes / MB:.1f} MB / {ours.cpu_seconds * 1e3:.0f} CPU ms, "
+                     f"pytorch {theirs.peak_bytes / MB:.1f} MB / {theirs.cpu_seconds * 1e3:.0f} CPU ms")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    parser.add_argument("--rounds", type=int, default=5, help="timing rounds (median over them)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7, help="timing rounds (median over them)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: least disturbed by a shared machine)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the script, numbers mean little")
     parser.add_argument("--rss-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -329,7 +346,7 @@ def main() -> None:
         plot(name, columns)
         print("\n".join(table(name, columns)), flush=True)
     rss = {policy: process_rss("resnet", policy, args.quick) for policy in ("eager", "off", "memory-aware")}
-    summary.append("- process peak RSS, resnet, 3 steps: " + ", ".join(f"{p} {v / MB:.0f} MB" for p, v in rss.items()))
+    summary.append(f"- process peak RSS (VmHWM), resnet at {RSS_BATCH_FACTOR}x the batch, capture + 3 steps: " + ", ".join(f"{p} {v / MB:.0f} MB" for p, v in rss.items()))
     config = QUICK["resnet"][0] if args.quick else DEMO
     cap = int(16 * MB if args.quick else 64 * MB)
     batches = {p: largest_batch("resnet", config, p, cap, start=8) for p in ("off", "memory-aware")}
