@@ -118,6 +118,18 @@ def is_expensive(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in EXPENSIVE_OPS
 
 
+def is_training_batch_norm(node: fx.Node) -> bool:
+    """Functional BatchNorm in training mode: outputs (y, batch mean, batch rstd, new running stats)."""
+    return (node.op == "call_function" and node.target is aten._native_batch_norm_legit_functional.default
+            and bool(node.args[5]))
+
+
+def is_batch_norm_statistic(node: fx.Node) -> bool:
+    """A getitem of a training BatchNorm other than its output y (batch or running statistics)."""
+    source = node.args[0] if node.target is operator.getitem else None
+    return isinstance(source, fx.Node) and is_training_batch_norm(source) and bool(node.args[1] != 0)
+
+
 def alias_source(node: fx.Node) -> fx.Node | None:
     """The input whose storage this node's output shares (a view), or None for a fresh output.
 

@@ -8,9 +8,11 @@ estimate plans are compared by; the executor still *measures* the real peak.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from tandem.graph import cost
@@ -118,9 +120,11 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
         sources = sorted((a for a in value.all_input_nodes if a.name in mirrored), key=chain_length, reverse=True)
         inputs = {a: copy_of(a, reader, memo, depth + 1) for a in sources}
         with graph.graph.inserting_before(reader):
-            copy = graph.graph.node_copy(value, lambda a: inputs.get(a, a))
-        copy.meta = {**value.meta, MetaKey.PHASE: Phase.BACKWARD, MetaKey.RECOMPUTE_OF: value.name}
-        flops += cost.flops(value)
+            made = _replay_batch_norm(graph, value, inputs) or [graph.graph.node_copy(value, lambda a: inputs.get(a, a))]
+        copy = made[-1]
+        for node in made:
+            node.meta = {**node.meta, MetaKey.PHASE: Phase.BACKWARD, MetaKey.RECOMPUTE_OF: value.name}
+            flops += cost.flops(node)
         memo[value.name] = copy
         if share(value) or depth >= MAX_REDO_DEPTH:  # a long chain (a recurrence) is redone once, not per read
             live[value.name] = (copy, max(here, last_read.get(value.name, here)))
@@ -135,3 +139,32 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
                 reader.replace_input_with(source, copy)
     graph.graph.lint()
     return flops
+
+
+def _replay_batch_norm(graph: TrainGraph, value: fx.Node, inputs: dict[fx.Node, fx.Node]) -> list[fx.Node] | None:
+    """Recompute a training BatchNorm's output from its kept batch statistics, in eval mode.
+
+    Re-running BN in training mode would recompute the batch mean and variance (several passes,
+    ~7x the time of one normalisation on CPU). The batch mean and rstd are kept anyway (the BN
+    backward reads them), so y = (x - mean) * rstd * weight + bias is one eval-mode BN call with
+    var = 1 / rstd^2 - eps. Equal to the training output up to float rounding; running stats are
+    untouched (the eval op returns none). Returns the new nodes, the BN tuple last, or None.
+    """
+    if not cost.is_training_batch_norm(value):
+        return None
+    stats = {user.args[1]: user for user in value.users if user.target is operator.getitem}
+    if 1 not in stats or 2 not in stats:
+        return None
+    source, weight, bias, _, _, _, momentum, eps = value.args
+    mean, rstd = stats[1], stats[2]
+    aten = torch.ops.aten
+    squared = graph.graph.call_function(aten.mul.Tensor, (rstd, rstd))
+    reciprocal = graph.graph.call_function(aten.reciprocal.default, (squared,))
+    variance = graph.graph.call_function(aten.sub.Tensor, (reciprocal, eps))
+    for node in (squared, reciprocal, variance):
+        node.meta["val"] = rstd.meta.get("val")
+    replay = graph.graph.call_function(aten._native_batch_norm_legit_no_training.default,
+                                       (inputs.get(source, source), weight, bias, mean, variance, momentum, eps))  # type: ignore[arg-type]
+    output = value.meta.get("val")
+    replay.meta = {**value.meta, "val": (output[0], None, None) if isinstance(output, tuple | list) else output}
+    return [squared, reciprocal, variance, replay]

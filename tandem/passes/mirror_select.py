@@ -24,8 +24,8 @@ def rerunnable(view: ForwardView, expensive_ok: bool) -> Recomputable:
 
     def check(node: fx.Node) -> bool:
         op = _producer(node)
-        if node in view.free or cost.is_random(op):
-            return False
+        if node in view.free or cost.is_random(op) or cost.is_batch_norm_statistic(node):
+            return False  # BN statistics are kept: a BN copy replays y from them (see mirror_rewrite)
         return expensive_ok or not cost.is_expensive(op)
 
     return check

@@ -20,6 +20,8 @@ from tests.conftest import twin, zoo_case
 
 POLICIES = ["all", "sqrt", "memory-aware", 0.6]
 EXACT = dict(rtol=1e-7, atol=1e-10)
+aten = torch.ops.aten
+BN_REPLAY = {aten._native_batch_norm_legit_no_training.default, aten.mul.Tensor, aten.reciprocal.default, aten.sub.Tensor}
 
 
 def recomputed(graph: TrainGraph) -> list[fx.Node]:
@@ -81,7 +83,7 @@ def check_structure(graph: TrainGraph) -> None:
     for copy in recomputed(graph):
         original = by_name[copy.meta[MetaKey.RECOMPUTE_OF]]
         assert graph.phase_of(copy) == Phase.BACKWARD and graph.phase_of(original) == Phase.FORWARD
-        assert copy.target is original.target
+        assert copy.target is original.target or (cost.is_training_batch_norm(original) and copy.target in BN_REPLAY)
         assert not cost.is_random(copy) and not (copy.target is operator.getitem and cost.is_random(copy.args[0]))
         assert copy not in buffer_updates and copy is not graph.loss
         assert all(graph.phase_of(u) == Phase.BACKWARD for u in copy.users if u.op == "call_function")
@@ -104,6 +106,16 @@ def test_dropout_is_never_rerun_and_its_outputs_are_kept() -> None:
     for copy in recomputed(graph):
         source = copy.args[0] if copy.target is operator.getitem else copy
         assert not cost.is_random(source), f"{copy.name} re-runs dropout"  # type: ignore[arg-type]
+
+
+def test_batchnorm_output_is_replayed_from_kept_statistics() -> None:
+    module, loss_fn, batch = zoo_case("resnet")
+    graph = tandem.compile(module, loss_fn, *batch, mirror="memory-aware").graph
+    targets = [n.target for n in recomputed(graph)]
+    assert aten._native_batch_norm_legit_no_training.default in targets, "BN y recomputed in eval mode"
+    assert aten._native_batch_norm_legit_functional.default not in targets, "batch statistics never recomputed"
+    statistics = [n for n in graph.op_nodes() if cost.is_batch_norm_statistic(n)]
+    assert statistics and all(MetaKey.RECOMPUTE_OF not in n.meta for n in statistics)
 
 
 # -- MXNet's two structure cases ------------------------------------------------------------------
