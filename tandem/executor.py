@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from tandem.engine import Engine, Var, get_engine
+from tandem.graph.cost import tensor_values
 from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
 
 GradientHook = Callable[[str, torch.Tensor], None]
@@ -207,7 +208,7 @@ class _MemoryMeter:
 
     def hold(self, value: Any) -> list[int]:
         keys = []
-        for tensor in _tensors(value):
+        for tensor in tensor_values(value):
             key = _storage_key(tensor)
             if key in self._inputs or key == 0:
                 continue
@@ -230,14 +231,6 @@ class _MemoryMeter:
 
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for t in value if isinstance(t, torch.Tensor)]
-    return []
 
 
 def _materialize(node: fx.Node, slots: list[Any], slot_of: dict[fx.Node, int]) -> tuple[Any, Any]:

@@ -30,7 +30,7 @@ class StepConfig:
 
     mirror: str | float | None = None  # backward mirroring policy (None: TANDEM_MIRROR, default "off")
     bulk: bool | None = None  # bulk into segments (None: TANDEM_BULK_TRAIN)
-    bulk_fwd: int | None = None  # forward segment cap (None: TANDEM_BULK_MAX_NODE_TRAIN[_FWD])
+    bulk_fwd: int | None = None  # forward segment cap (None: TANDEM_BULK_MAX_NODE_TRAIN[_FWD]; WHOLE: one segment)
     bulk_bwd: int | None = None  # backward segment cap
     recapture: bool = True  # a batch of new shapes is captured again (False: raise)
     max_captures: int = 8  # graphs kept per step before the oldest is dropped
@@ -40,7 +40,7 @@ class StepConfig:
         for name in ("bulk_fwd", "bulk_bwd"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative int (0: no cap, whole phase), got {value!r}")
+                raise ValueError(f"{name} must be an int >= 0 (op nodes per segment; 0 or 1: one per segment), got {value!r}")
         if self.max_captures < 1:
             raise ValueError(f"max_captures must be >= 1, got {self.max_captures}")
 
