@@ -93,7 +93,8 @@ class Processes:
 
 
 def raw_echo(processes: Processes, tmp: Path) -> tuple[zmq.Socket, Callable[[memoryview], None]]:
-    port_file = tmp / "echo.port"
+    port_file = tmp / f"echo-{os.getpid()}.port"
+    port_file.unlink(missing_ok=True)
     processes.start([__file__, "--child", "echo", str(port_file)], _child_env())
     deadline = time.monotonic() + 60
     while not port_file.exists() or not port_file.read_text():

@@ -1,8 +1,11 @@
-"""A worker's connection to every server: one IO thread owns the sockets, sends, receives, heartbeats.
+"""A worker's connection to every server: direct data sends, one IO thread for replies and heartbeats.
 
-All outgoing messages go through ``submit`` into one priority queue (highest priority first, FIFO
-within a priority) that the IO thread drains: this is the one place where P3 adds its cap on
-messages in flight. Responses are matched to requests by id and completed from the IO thread.
+Data requests (push, pull, ...) leave from the calling thread through ``submit``, the one place
+every request passes (P3 puts its priority queue and its cap on messages in flight in front of
+it): it registers the request, then sends on the server's PUSH socket under a lock. The IO thread
+owns the DEALER sockets: it says hello and goodbye, sends heartbeats, and completes requests as
+their replies arrive, receiving a pull's payload straight into its output tensor — so requests
+make progress while the application computes.
 
 Failure: a server silent for ``timeout`` seconds, or an ABORT from a server, fails every pending
 request with ``PeerFailure`` naming the node; the worker then tells the other servers (ABORT) and,
@@ -16,18 +19,19 @@ import itertools
 import json
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+import zmq
+
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role
-from tandem.kvstore.dist.topology import DistOptions
+from tandem.kvstore.dist.topology import DistOptions, ServerAddress
 from tandem.kvstore.dist.transport import Incoming, WorkerTransport
-from tandem.kvstore.errors import KVStoreError, PeerFailure, RemoteError
+from tandem.kvstore.errors import KVStoreTimeout, PeerFailure, RemoteError
 
 log = logging.getLogger("tandem.kvstore.worker")
 EXIT_GRACE_SECONDS = 3.0  # time the main thread gets to raise the failure itself before a hard exit
@@ -38,31 +42,45 @@ class _Request:
     server: int
     on_reply: Callable[[Message], None]
     on_error: Callable[[BaseException], None]
+    landing: memoryview | None = None  # where the reply's payload may be received in place
 
 
-@dataclass(order=True)
-class _Outgoing:
-    sort_key: tuple[int, int]  # (-priority, sequence): highest priority first, then FIFO
-    server: int = field(compare=False)
-    header: Header = field(compare=False)
-    payloads: Sequence[Any] = field(compare=False)
+class _Rendezvous:
+    """Replies to one control command (hello, goodbye) from every server, awaited by a caller thread."""
+
+    def __init__(self, servers: int) -> None:
+        self.remaining = servers
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def reply(self, message: Message) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = self.error or error
+        self.done.set()
 
 
 class Client:
-    """Thread safety: ``submit``, ``failure`` and ``close`` may be called from any thread."""
+    """Thread safety: every public method may be called from any thread; callbacks run in the IO thread."""
 
-    def __init__(self, endpoints: list[str], rank: int, options: DistOptions) -> None:
-        self.endpoints, self.rank, self.options = endpoints, rank, options
-        self.transport = WorkerTransport(options.secret_bytes, endpoints, identity=f"worker-{rank}".encode())
-        self._outbox: queue.PriorityQueue[_Outgoing] = queue.PriorityQueue()
+    def __init__(
+        self, addresses: list[ServerAddress], rank: int, options: DistOptions, hello: dict[str, object]
+    ) -> None:
+        self.addresses, self.rank, self.options = addresses, rank, options
+        self.transport = WorkerTransport(options.secret_bytes, [a.control for a in addresses], [a.data for a in addresses],
+                                         identity=f"worker-{rank}".encode(), send_timeout=options.timeout)  # fmt: skip
         self._pending: dict[int, _Request] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending and _failure
         self._ids = itertools.count(1)
-        self._sequence = itertools.count()
-        self._stop = threading.Event()
-        self._connected = threading.Event()  # heartbeats start once every server accepted our hello
         self._failure: PeerFailure | None = None
-        self._last_heard = [time.monotonic()] * len(endpoints)
+        self._last_heard = [time.monotonic()] * len(addresses)
+        self._hello_payload = [memoryview(json.dumps(hello).encode())]
+        self._hello = _Rendezvous(len(addresses))
+        self._goodbye = _Rendezvous(len(addresses))
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"tandem-kvstore-worker-{rank}", daemon=True)
         self._thread.start()
 
@@ -70,110 +88,52 @@ class Client:
     def failure(self) -> PeerFailure | None:
         return self._failure
 
-    def submit(self, server: int, header: Header, payloads: Sequence[Any], on_reply: Callable[[Message], None],
-               on_error: Callable[[BaseException], None]) -> None:  # fmt: skip
-        """Queue a request to ``server``; ``on_reply``/``on_error`` run later in the IO thread. Never blocks."""
+    def connect(self) -> None:
+        """Block until every server accepted our hello (or raise, naming the problem)."""
+        if not self._hello.done.wait(self.options.rendezvous_timeout):
+            raise KVStoreTimeout(
+                f"worker {self.rank}: no answer to hello from {self._hello.remaining} server(s) within "
+                f"{self.options.rendezvous_timeout:.0f} s; do all processes use the same TANDEM_PS_SECRET?"
+            )
+        if self._hello.error is not None:
+            raise self._hello.error
+
+    def _register(self, request: _Request) -> int:
         with self._lock:
             if self._failure is not None:
                 raise self._failure
             request_id = next(self._ids)
-            self._pending[request_id] = _Request(server, on_reply, on_error)
+            self._pending[request_id] = request
+        return request_id
+
+    def submit(self, server: int, header: Header, payloads: Sequence[Any], on_reply: Callable[[Message], None],
+               on_error: Callable[[BaseException], None]) -> None:  # fmt: skip
+        """Send a request to ``server`` now; ``on_reply``/``on_error`` run later in the IO thread.
+
+        An ``on_reply`` with a ``landing`` attribute (writable bytes) gets the reply's payload
+        received there in place when the size matches, and then sees ``message.landed``. Blocks
+        only if the server stops reading (then raises after ``timeout`` seconds).
+        """
+        request_id = self._register(_Request(server, on_reply, on_error, getattr(on_reply, "landing", None)))
         header = replace(header, request_id=request_id, sender_role=Role.WORKER, sender_rank=self.rank)
-        self._outbox.put(_Outgoing((-header.priority, next(self._sequence)), server, header, payloads))
-        self.transport.wake()
+        try:
+            self.transport.send_data(server, header, payloads)
+        except zmq.Again:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise KVStoreTimeout(f"server {server} ({self.addresses[server]}) accepted no data for "
+                                 f"{self.options.timeout:.1f} s") from None  # fmt: skip
+
+    def _landing(self, server: int, header: Header) -> memoryview | None:
+        with self._lock:
+            request = self._pending.get(header.request_id)
+        return (
+            request.landing if request is not None and request.server == server and header.response else None
+        )
 
     def outstanding(self) -> int:
         with self._lock:
             return len(self._pending)
-
-    def _run(self) -> None:
-        next_heartbeat = time.monotonic()
-        try:
-            while not self._stop.is_set():
-                connected = self._connected.is_set()
-                wait = max(0.0, next_heartbeat - time.monotonic()) if connected else self.options.heartbeat
-                for incoming in self.transport.poll(wait):
-                    self._receive(incoming)
-                self._send_queued()
-                if connected and time.monotonic() >= next_heartbeat:
-                    self._heartbeat()
-                    next_heartbeat = time.monotonic() + self.options.heartbeat
-        except PeerFailure as failure:
-            self._fail(failure)
-        except Exception as error:  # a bug here must not leave the main thread waiting forever
-            log.exception("worker %d: kvstore IO thread crashed", self.rank)
-            self._fail(PeerFailure(f"worker {self.rank}: kvstore IO thread crashed: {error!r}"))
-
-    def _send_queued(self) -> None:
-        while True:
-            try:
-                outgoing = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            self.transport.send(outgoing.server, outgoing.header, outgoing.payloads)
-
-    def _heartbeat(self) -> None:
-        now = time.monotonic()
-        for server, heard in enumerate(self._last_heard):
-            if now - heard > self.options.timeout:
-                raise PeerFailure(
-                    f"server {server} ({self.endpoints[server]}) stopped answering: no heartbeat for "
-                    f"{self.options.timeout:.1f} s"
-                )
-            self.transport.send(server, Header(Command.HEARTBEAT, 0, Role.WORKER, self.rank))
-
-    def _receive(self, incoming: Incoming) -> None:
-        server, message = incoming.peer, incoming.message
-        if message is None:
-            log.warning("worker %d rejected a message from server %d: %s", self.rank, server, incoming.error)
-            return
-        self._last_heard[server] = time.monotonic()
-        header = message.header
-        if header.command is Command.ABORT:
-            reason = bytes(message.payloads[0]).decode("utf-8", "replace") if message.payloads else "aborted"
-            raise PeerFailure(f"the job was stopped: {reason}")
-        if header.command is Command.HEARTBEAT or not header.response:
-            return
-        with self._lock:
-            request = self._pending.pop(header.request_id, None)
-        if request is None:
-            log.warning("worker %d: response %d from server %d matches no request", self.rank, header.request_id, server)
-            return
-        if header.error:
-            text = bytes(message.payloads[0]).decode("utf-8", "replace") if message.payloads else "unknown error"
-            request.on_error(RemoteError(f"server {server}: {text}"))
-            return
-        try:
-            request.on_reply(message)
-        except BaseException as error:  # noqa: BLE001 - a bad reply fails its own request only
-            request.on_error(error)
-
-    def _fail(self, failure: PeerFailure) -> None:
-        with self._lock:
-            if self._failure is not None:
-                return
-            self._failure = failure
-            pending, self._pending = self._pending, {}
-        log.error("worker %d: %s", self.rank, failure)
-        for request in pending.values():
-            request.on_error(failure)
-        self._abort_servers(str(failure))
-        if self.options.exit_on_failure:
-            threading.Thread(target=self._exit_later, args=(str(failure),), daemon=True).start()
-
-    def _abort_servers(self, reason: str) -> None:
-        """Best effort: tell every server so that the other workers learn of the failure too."""
-        payload = [memoryview(f"worker {self.rank}: {reason}".encode())]
-        for server in range(len(self.endpoints)):
-            try:
-                self.transport.send(server, Header(Command.ABORT, 0, Role.WORKER, self.rank), payload)
-            except Exception:  # noqa: BLE001 - the socket may be gone already
-                pass
-
-    def _exit_later(self, reason: str) -> None:
-        time.sleep(EXIT_GRACE_SECONDS)
-        print(f"tandem kvstore, worker {self.rank}: {reason}; exiting", file=sys.stderr, flush=True)
-        os._exit(1)
 
     def call(self, server: int, header: Header, payloads: Sequence[Any], timeout: float) -> Message:
         """Send one request and block for its reply (raises its error, or a timeout naming the server)."""
@@ -187,29 +147,126 @@ class Client:
         self.submit(server, header, payloads, lambda message: finish("message", message),
                     lambda error: finish("error", error))  # fmt: skip
         if not done.wait(timeout):
-            raise KVStoreError(f"server {server} ({self.endpoints[server]}) did not answer {header.describe()} "
-                               f"within {timeout:.1f} s")  # fmt: skip
+            raise KVStoreTimeout(f"server {server} ({self.addresses[server]}) did not answer {header.describe()} "
+                                 f"within {timeout:.1f} s")  # fmt: skip
         if "error" in result:
             raise result["error"]
         return result["message"]
 
-    def hello(self, info: dict[str, object]) -> None:
-        payload = [memoryview(json.dumps(info).encode())]
-        for server in range(len(self.endpoints)):
-            self.call(server, Header(Command.HELLO, 0, Role.WORKER, self.rank), payload, self.options.rendezvous_timeout)
-        self._last_heard = [time.monotonic()] * len(self.endpoints)
-        self._connected.set()
-        self.transport.wake()
+    def _complete(self, incoming: Incoming) -> None:
+        """Hand a received reply to its request (IO thread)."""
+        server, message = incoming.peer, incoming.message
+        if message is None:
+            log.warning("worker %d rejected a message from server %d: %s", self.rank, server, incoming.error)
+            return
+        self._last_heard[server] = time.monotonic()
+        header = message.header
+        if header.command is Command.ABORT:
+            raise PeerFailure(f"the job was stopped: {_text(message, 'no reason given')}")
+        if header.command is Command.HEARTBEAT or not header.response:
+            return
+        with self._lock:
+            request = self._pending.pop(header.request_id, None)
+        if request is None:
+            log.warning(
+                "worker %d: response %d from server %d matches no request",
+                self.rank,
+                header.request_id,
+                server,
+            )
+            return
+        if header.error:
+            request.on_error(RemoteError(f"server {server}: {_text(message, 'unknown error')}"))
+            return
+        try:
+            request.on_reply(message)
+        except BaseException as error:  # noqa: BLE001 - a bad reply fails its own request only
+            request.on_error(error)
 
-    def close(self, goodbye_timeout: float) -> None:
-        """Say goodbye to every server (unless the job failed), then stop the IO thread and close sockets."""
-        if self._failure is None and self._thread.is_alive():
-            for server in range(len(self.endpoints)):
-                try:
-                    self.call(server, Header(Command.BYE, 0, Role.WORKER, self.rank), [], goodbye_timeout)
-                except KVStoreError as error:
-                    log.warning("worker %d: goodbye to server %d failed: %s", self.rank, server, error)
-        self._stop.set()
+    def _run(self) -> None:
+        try:
+            self._send_to_all(Command.HELLO, self._hello, self._hello_payload)
+            self._control_loop()
+        except PeerFailure as failure:
+            self._fail(failure)
+        except Exception as error:  # a bug here must not leave the main thread waiting forever
+            log.exception("worker %d: kvstore IO thread crashed", self.rank)
+            self._fail(PeerFailure(f"worker {self.rank}: kvstore IO thread crashed: {error!r}"))
+
+    def _control_loop(self) -> None:
+        next_heartbeat = time.monotonic()
+        saying_goodbye = False
+        while not self._goodbye.done.is_set():
+            connected = self._hello.done.is_set() and self._hello.error is None
+            wait = max(0.0, next_heartbeat - time.monotonic()) if connected else self.options.heartbeat
+            for incoming in self.transport.poll(wait, self._landing):
+                self._complete(incoming)
+            if self._closing.is_set() and not saying_goodbye:
+                saying_goodbye = True
+                self._send_to_all(Command.BYE, self._goodbye, [])
+            if connected and time.monotonic() >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = time.monotonic() + self.options.heartbeat
+
+    def _send_to_all(self, command: Command, rendezvous: _Rendezvous, payloads: list[memoryview]) -> None:
+        for server in range(len(self.addresses)):
+            request_id = self._register(_Request(server, rendezvous.reply, rendezvous.fail))
+            self.transport.send_control(server, Header(command, request_id, Role.WORKER, self.rank), payloads)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for server, heard in enumerate(self._last_heard):
+            if now - heard > self.options.timeout:
+                raise PeerFailure(
+                    f"server {server} ({self.addresses[server]}) stopped answering: no heartbeat for "
+                    f"{self.options.timeout:.1f} s"
+                )
+            self.transport.send_control(server, Header(Command.HEARTBEAT, 0, Role.WORKER, self.rank))
+
+    def _fail(self, failure: PeerFailure) -> None:
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = failure
+            pending, self._pending = self._pending, {}
+        log.error("worker %d: %s", self.rank, failure)
+        for request in pending.values():
+            request.on_error(failure)
+        for rendezvous in (self._hello, self._goodbye):
+            rendezvous.fail(failure)
+        self._abort_servers(str(failure))
+        if self.options.exit_on_failure and not self._closing.is_set():
+            threading.Thread(target=self._exit_later, args=(str(failure),), daemon=True).start()
+
+    def _abort_servers(self, reason: str) -> None:
+        """Best effort: tell every server so that the other workers learn of the failure too."""
+        payload = [memoryview(f"worker {self.rank}: {reason}".encode())]
+        for server in range(len(self.addresses)):
+            try:
+                self.transport.send_control(server, Header(Command.ABORT, 0, Role.WORKER, self.rank), payload)
+            except Exception:  # noqa: BLE001 - the socket may be gone already
+                pass
+
+    def _exit_later(self, reason: str) -> None:
+        time.sleep(EXIT_GRACE_SECONDS)
+        print(f"tandem kvstore, worker {self.rank}: {reason}; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def close(self, timeout: float) -> None:
+        """Wait for outstanding requests, say goodbye to every server (unless the job failed), stop the IO thread."""
+        deadline = time.monotonic() + timeout
+        while self.outstanding() and self._failure is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        self._closing.set()
         self.transport.wake()
-        self._thread.join(timeout=goodbye_timeout)
+        if not self._goodbye.done.wait(max(0.0, deadline - time.monotonic())) and self._failure is None:
+            log.warning("worker %d: %d server(s) did not answer goodbye within %.1f s", self.rank,
+                        self._goodbye.remaining, timeout)  # fmt: skip
+        self._goodbye.done.set()  # stops the IO loop in every case
+        self.transport.wake()
+        self._thread.join(timeout=timeout)
         self.transport.close()
+
+
+def _text(message: Message, default: str) -> str:
+    return bytes(message.payloads[0]).decode("utf-8", "replace") if message.payloads else default

@@ -146,6 +146,7 @@ class Header:
 class Message:
     header: Header
     payloads: list[memoryview]
+    landed: bool = False  # the one payload was received straight into the requester's buffer
 
 
 def _encode_key(key: Key | None) -> tuple[KeyKind, bytes]:
@@ -159,8 +160,12 @@ def _encode_key(key: Key | None) -> tuple[KeyKind, bytes]:
     return kind, raw
 
 
-def encode_header(header: Header, secret: bytes = b"") -> bytes:
-    """The header frame for ``header``; signed with HMAC-SHA256 when ``secret`` is non-empty."""
+def encode_header(header: Header, secret: bytes = b"", payload_count: int | None = None,
+                  payload_nbytes: int | None = None) -> bytes:  # fmt: skip
+    """The header frame for ``header``; signed with HMAC-SHA256 when ``secret`` is non-empty.
+
+    ``payload_count``/``payload_nbytes`` override the header's (the sender knows them best).
+    """
     key_kind, key_bytes = _encode_key(header.key)
     flags = (Flag.RESPONSE if header.response else 0) | (Flag.ERROR if header.error else 0)
     flags |= Flag.SIGNED if secret else 0
@@ -168,8 +173,9 @@ def encode_header(header: Header, secret: bytes = b"") -> bytes:
     fixed = FIXED.pack(
         MAGIC, VERSION, header.command, flags, header.request_id, header.timestamp,
         header.sender_role, header.sender_rank, header.priority, key_kind, len(key_bytes), dtype_code,
-        len(header.shape), header.slice_start, header.slice_stop, header.payload_count,
-        header.payload_nbytes,
+        len(header.shape), header.slice_start, header.slice_stop,
+        header.payload_count if payload_count is None else payload_count,
+        header.payload_nbytes if payload_nbytes is None else payload_nbytes,
     )  # fmt: skip
     body = fixed + struct.pack(f"<{len(header.shape)}q", *header.shape) + key_bytes
     return body + hmac.digest(secret, body, hashlib.sha256) if secret else body

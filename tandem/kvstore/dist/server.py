@@ -24,12 +24,20 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
-from tandem.kvstore.dist.topology import DistOptions, Topology, connect_store, publish_server, public_endpoint
+from tandem.kvstore.dist.topology import (
+    DistOptions,
+    ServerAddress,
+    Topology,
+    connect_store,
+    public_endpoint,
+    publish_server,
+)
 from tandem.kvstore.dist.transport import Incoming, ServerTransport
 from tandem.kvstore.errors import PeerFailure, RemoteError
 from tandem.kvstore.slots import Slot, SlotId, SlotTable
 
 log = logging.getLogger("tandem.kvstore.server")
+CONTROL_COMMANDS = frozenset({Command.HELLO, Command.HEARTBEAT, Command.BYE, Command.ABORT})
 
 
 @dataclass
@@ -58,7 +66,9 @@ class Server:
         self.rank = topology.rank
         self.table = SlotTable(send_timeout=options.timeout)
         self.transport = ServerTransport(options.secret_bytes, options.bind_addr)
-        self.endpoint = public_endpoint(options.bind_addr, self.transport.port)
+        control_port, data_port = self.transport.ports
+        self.address = ServerAddress(public_endpoint(options.bind_addr, control_port),
+                                     public_endpoint(options.bind_addr, data_port))  # fmt: skip
         self.workers: dict[int, _WorkerState] = {}
         self.rounds: dict[SlotId, _Rounds] = {}
         self.barrier: dict[int, tuple[bytes, Header]] = {}
@@ -80,8 +90,8 @@ class Server:
     def serve(self) -> int:
         """Publish the endpoint, then run the loop; returns the process exit code."""
         store = connect_store(self.topology, self.options.rendezvous_timeout)
-        publish_server(store, self.rank, self.endpoint)
-        log.info("server %d (%s) serving %s", self.rank, self.endpoint, self.options.kind)
+        publish_server(store, self.rank, self.address)
+        log.info("server %d (%s, data %s) serving %s", self.rank, self.address.control, self.address.data, self.options.kind)
         started = time.monotonic()
         try:
             while not self._finished():
@@ -110,23 +120,27 @@ class Server:
             raise PeerFailure(f"worker(s) {missing} never connected within {self.options.rendezvous_timeout:.0f} s")
 
     def _dispatch(self, incoming: Incoming) -> None:
-        peer, message = incoming.peer, incoming.message
+        message, on_data = incoming.message, incoming.peer is None
+        where = "data socket" if on_data else f"control peer {incoming.peer.hex()[:16]}"
         if message is None:
-            self._reject(peer, str(incoming.error))
+            self._reject(where, str(incoming.error))
             return
         header = message.header
         if header.response or header.sender_role is not Role.WORKER:
-            self._reject(peer, f"unexpected {header.command.name} {'response' if header.response else 'request'}")
+            self._reject(where, f"unexpected {header.command.name} {'response' if header.response else 'request'}")
+            return
+        if (header.command in CONTROL_COMMANDS) == on_data:
+            self._reject(where, f"{header.command.name} on the {'data' if on_data else 'control'} socket")
             return
         if header.command is Command.HELLO:
-            self._guarded(peer, header, lambda: self._hello(peer, message))
+            self._guarded(incoming.peer, header, lambda: self._hello(incoming.peer, message))
             return
         worker = self.workers.get(header.sender_rank)
-        if worker is None or worker.peer != peer:
-            self._reject(peer, f"{header.command.name} from a peer that did not say hello as worker {header.sender_rank}")
+        if worker is None or worker.gone or not (on_data or incoming.peer == worker.peer):
+            self._reject(where, f"{header.command.name} from worker {header.sender_rank}, which did not say hello")
             return
         worker.last_heard = time.monotonic()
-        self._guarded(peer, header, lambda: self._handlers[header.command](peer, message))
+        self._guarded(worker.peer, header, lambda: self._handlers[header.command](worker.peer, message))
 
     def _guarded(self, peer: bytes, header: Header, handler: Callable[[], None]) -> None:
         """Run a handler; a bad request becomes an error response, never a dead server."""
@@ -140,9 +154,9 @@ class Server:
             log.exception("server %d: %s failed", self.rank, header.describe())
             self._reply_error(peer, header, f"internal error on server {self.rank}: {type(error).__name__}: {error}")
 
-    def _reject(self, peer: bytes, reason: str) -> None:
+    def _reject(self, where: str, reason: str) -> None:
         self.rejected += 1
-        log.warning("server %d rejected a message from peer %s: %s", self.rank, peer.hex()[:16], reason)
+        log.warning("server %d rejected a message from %s: %s", self.rank, where, reason)
 
     def _reply(self, peer: bytes, request: Header, payloads: list[memoryview] | None = None,
                slot: Slot | None = None) -> None:  # fmt: skip

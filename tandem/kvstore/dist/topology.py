@@ -5,7 +5,7 @@ Two sources of topology are understood:
   ``TANDEM_MASTER_ADDR``/``PORT`` (it hosts the TCPStore there);
 - ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (its agent hosts the
   store); with ``TANDEM_NUM_SERVERS=S``, ranks ``[0, S)`` are servers and the rest workers.
-Servers publish their ZeroMQ endpoint in the store; workers read every server's endpoint from it.
+Servers publish their two ZeroMQ endpoints in the store; workers read every server's from it.
 """
 
 from __future__ import annotations
@@ -153,12 +153,23 @@ def public_endpoint(bind_addr: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-def publish_server(store: dist.TCPStore, rank: int, endpoint: str) -> None:
-    store.set(f"{STORE_PREFIX}server/{rank}", endpoint)
+@dataclass(frozen=True)
+class ServerAddress:
+    """A server's two endpoints: control (ROUTER: hello, heartbeats, every reply) and data (PULL: requests)."""
+
+    control: str
+    data: str
+
+    def __str__(self) -> str:
+        return self.control
 
 
-def server_endpoints(store: dist.TCPStore, num_servers: int, timeout: float) -> list[str]:
-    """Every server's endpoint, waiting up to ``timeout`` seconds for servers to publish them."""
+def publish_server(store: dist.TCPStore, rank: int, address: ServerAddress) -> None:
+    store.set(f"{STORE_PREFIX}server/{rank}", f"{address.control} {address.data}")
+
+
+def server_addresses(store: dist.TCPStore, num_servers: int, timeout: float) -> list[ServerAddress]:
+    """Every server's endpoints, waiting up to ``timeout`` seconds for servers to publish them."""
     keys = [f"{STORE_PREFIX}server/{rank}" for rank in range(num_servers)]
     try:
         store.wait(keys, timedelta(seconds=timeout))
@@ -168,4 +179,8 @@ def server_endpoints(store: dist.TCPStore, num_servers: int, timeout: float) -> 
             f"server(s) {missing} did not publish an endpoint within {timeout:.0f} s; did they start (`tandem launch "
             f"-s {num_servers}` or TANDEM_NUM_SERVERS under torchrun)?"
         ) from None
-    return [store.get(key).decode() for key in keys]
+    addresses = []
+    for key in keys:
+        control, _, data = store.get(key).decode().partition(" ")
+        addresses.append(ServerAddress(control, data))
+    return addresses

@@ -1,36 +1,40 @@
 """ZeroMQ behind one small interface: the only kvstore module that touches sockets.
 
-A server owns one ROUTER socket; a worker owns one DEALER socket per server. Tensor payloads of at
-least ``ZERO_COPY_BYTES`` go out with ``copy=False`` (ZeroMQ reads the tensor's memory directly) and
-come in as frames viewed by ``torch.frombuffer``; smaller ones are copied, which is cheaper than
-ZeroMQ's zero-copy bookkeeping at that size. Every received message is decoded and validated here,
-so callers only ever see well-formed ``Message`` objects or a ``ProtocolError``.
+Every server binds a ROUTER (control: hello, heartbeats, goodbye, abort; and every reply) and a
+PULL (data requests: init, push, pull, ...). Every worker connects a DEALER to each ROUTER, owned
+by its IO thread, and a PUSH to each PULL, on which application threads send directly under a
+lock: handing each request to the IO thread costs a thread switch and a GIL hand-over per message,
+which dominated small and medium transfers. Replies are received by the IO thread, so requests
+complete in the background while the application computes (what P3's overlap relies on).
 
-Thread safety: a transport's sockets belong to the one thread that calls ``poll``/``send``; only
-``WorkerTransport.wake`` may be called from other threads.
+Tensor payloads of at least ``ZERO_COPY_BYTES`` go out with ``copy=False`` (ZeroMQ reads the
+tensor's memory directly); a pull's reply is received straight into the output tensor
+(``recv_into``). Every received message is decoded and validated here, so callers only ever see
+well-formed ``Message`` objects or a ``ProtocolError``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from tandem.kvstore.dist.protocol import Header, Message, decode, encode_header, payload_size
+from tandem.kvstore.dist.protocol import Header, Message, decode, decode_header, encode_header, payload_size
 from tandem.kvstore.errors import ProtocolError
 
 ZERO_COPY_BYTES = 64 * 1024
 MAX_BATCH = 256  # messages drained per poll, so heartbeats and sends are never starved
+Landing = Callable[[int, Header], memoryview | None]  # where a reply's payload may be received in place
 
 
 @dataclass(frozen=True)
 class Incoming:
     """One received message, or the reason it was rejected; ``peer`` says who sent it."""
 
-    peer: Any  # ROUTER routing id (bytes) on a server, server index (int) on a worker
+    peer: Any  # on a server: the routing id (control socket) or None (data socket); on a worker: server index
     message: Message | None
     error: ProtocolError | None = None
 
@@ -43,8 +47,8 @@ class _Endpoint:
     def _send(self, socket: zmq.Socket, prefix: list[bytes], header: Header, payloads: Sequence[Any],
               track: bool) -> zmq.MessageTracker | None:  # fmt: skip
         """Send ``prefix + [header] + payloads``; returns a tracker for a zero-copy payload if asked."""
-        sized = replace(header, payload_count=len(payloads), payload_nbytes=payload_size(payloads))
-        frames: list[Any] = [*prefix, encode_header(sized, self.secret), *payloads]
+        head = encode_header(header, self.secret, len(payloads), payload_size(payloads))
+        frames: list[Any] = [*prefix, head, *payloads]
         control = len(prefix) + 1
         tracker = None
         for index, frame in enumerate(frames):
@@ -63,50 +67,67 @@ class _Endpoint:
         except ProtocolError as error:
             return Incoming(peer, None, error)
 
+    def _socket(self, kind: int, endpoint: str, identity: bytes = b"", send_timeout: float = 0) -> zmq.Socket:
+        socket = self.context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 500)  # queued goodbyes get half a second to leave at close
+        if identity:
+            socket.setsockopt(zmq.IDENTITY, identity)
+        if send_timeout:  # a server that stopped reading must not block a sender forever
+            socket.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))
+        socket.connect(endpoint)
+        return socket
+
     def close(self) -> None:
-        self.context.destroy(linger=500)  # give queued goodbyes half a second to leave
+        self.context.destroy(linger=500)
 
 
 class ServerTransport(_Endpoint):
-    """A ROUTER socket bound to ``bind_addr`` on an ephemeral port."""
+    """A server's control ROUTER and data PULL sockets, bound to ``bind_addr`` on ephemeral ports."""
 
     def __init__(self, secret: bytes, bind_addr: str) -> None:
         super().__init__(secret)
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 500)
-        self.port = self.socket.bind_to_random_port(f"tcp://{bind_addr}")
+        self.control = self.context.socket(zmq.ROUTER)
+        self.data = self.context.socket(zmq.PULL)
+        self._poller = zmq.Poller()
+        self.ports = []
+        for socket in (self.control, self.data):
+            socket.setsockopt(zmq.LINGER, 500)
+            self.ports.append(socket.bind_to_random_port(f"tcp://{bind_addr}"))
+            self._poller.register(socket, zmq.POLLIN)
 
     def send(self, peer: bytes, header: Header, payloads: Sequence[Any] = (), track: bool = False) -> Any:
-        """Send to the worker whose routing id is ``peer``; returns a tracker for big tracked payloads."""
-        return self._send(self.socket, [peer], header, payloads, track)
+        """Send to the worker whose control routing id is ``peer``; returns a tracker for big tracked payloads."""
+        return self._send(self.control, [peer], header, payloads, track)
 
     def poll(self, timeout: float) -> list[Incoming]:
-        """Messages that arrive within ``timeout`` seconds (at most ``MAX_BATCH``)."""
+        """Messages arriving within ``timeout`` seconds; ``peer`` is None for data-socket messages."""
         received: list[Incoming] = []
-        if not self.socket.poll(int(timeout * 1000)):
-            return received
-        while len(received) < MAX_BATCH:
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            received.append(self._decode(frames[0].bytes, frames[1:]))
+        ready = dict(self._poller.poll(int(max(timeout, 0) * 1000)))
+        for socket in (self.control, self.data):
+            while socket in ready and len(received) < MAX_BATCH:
+                try:
+                    frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if socket is self.control:
+                    received.append(self._decode(frames[0].bytes, frames[1:]))
+                else:
+                    received.append(self._decode(None, frames))
         return received
 
 
 class WorkerTransport(_Endpoint):
-    """One DEALER socket per server, plus an in-process wake-up socket for other threads."""
+    """Per server a DEALER (IO thread: control messages, every reply) and a PUSH (data requests, any thread).
 
-    def __init__(self, secret: bytes, endpoints: list[str], identity: bytes) -> None:
+    Thread safety: ``poll`` and ``send_control`` belong to the IO thread; ``send_data`` and
+    ``wake`` may be called from any thread (``send_data`` is serialised by a lock).
+    """
+
+    def __init__(self, secret: bytes, control: list[str], data: list[str], identity: bytes, send_timeout: float) -> None:
         super().__init__(secret)
-        self.endpoints = endpoints
-        self.sockets: list[zmq.Socket] = []
-        for endpoint in endpoints:
-            dealer = self.context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.IDENTITY, identity)
-            dealer.setsockopt(zmq.LINGER, 500)
-            dealer.connect(endpoint)
-            self.sockets.append(dealer)
+        self.control = [self._socket(zmq.DEALER, endpoint, identity=identity) for endpoint in control]
+        self.data = [self._socket(zmq.PUSH, endpoint, send_timeout=send_timeout) for endpoint in data]
+        self._data_lock = threading.Lock()
         wake_address = f"inproc://wake-{id(self)}"
         self._wake_in = self.context.socket(zmq.PULL)
         self._wake_in.bind(wake_address)
@@ -114,36 +135,67 @@ class WorkerTransport(_Endpoint):
         self._wake_out.connect(wake_address)
         self._wake_lock = threading.Lock()
         self._poller = zmq.Poller()
-        for dealer in [self._wake_in, *self.sockets]:
-            self._poller.register(dealer, zmq.POLLIN)
+        for socket in [self._wake_in, *self.control]:
+            self._poller.register(socket, zmq.POLLIN)
 
     def wake(self) -> None:
-        """Interrupt a ``poll`` in the IO thread (new messages to send). Thread safe."""
+        """Interrupt a ``poll`` in the IO thread. Thread safe."""
         with self._wake_lock:
             self._wake_out.send(b"", zmq.NOBLOCK)
 
-    def send(self, server: int, header: Header, payloads: Sequence[Any] = ()) -> None:
-        self._send(self.sockets[server], [], header, payloads, track=False)
+    def send_control(self, server: int, header: Header, payloads: Sequence[Any] = ()) -> None:
+        """IO thread only."""
+        self._send(self.control[server], [], header, payloads, track=False)
 
-    def poll(self, timeout: float) -> list[Incoming]:
+    def send_data(self, server: int, header: Header, payloads: Sequence[Any] = ()) -> None:
+        """Thread safe; raises ``zmq.Again`` when the server has not accepted data for the send timeout."""
+        with self._data_lock:
+            self._send(self.data[server], [], header, payloads, track=False)
+
+    def poll(self, timeout: float, landing: Landing | None = None) -> list[Incoming]:
+        """IO thread only: replies and notices arriving within ``timeout`` seconds (or until ``wake``).
+
+        A reply whose payload ``landing`` has a buffer for (a pull's output tensor) is received
+        straight into it, saving a copy and the allocation of a big frame.
+        """
         received: list[Incoming] = []
         ready = dict(self._poller.poll(int(max(timeout, 0) * 1000)))
         if self._wake_in in ready:
-            while self._drain_one(self._wake_in):
+            while _drain_one(self._wake_in):
                 pass
-        for server, dealer in enumerate(self.sockets):
+        for server, dealer in enumerate(self.control):
             while dealer in ready and len(received) < MAX_BATCH:
                 try:
-                    frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                    first = dealer.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                received.append(self._decode(server, frames))
+                received.append(self._receive_rest(server, dealer, first, landing))
         return received
 
-    @staticmethod
-    def _drain_one(socket: zmq.Socket) -> bool:
+    def _receive_rest(self, server: int, dealer: zmq.Socket, first: zmq.Frame, landing: Landing | None) -> Incoming:
+        if not first.more:
+            return self._decode(server, [first])
         try:
-            socket.recv(zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
+            header = decode_header(first.bytes, self.secret)
+        except ProtocolError as error:
+            dealer.recv_multipart()  # the rest of a message we already rejected
+            return Incoming(server, None, error)
+        wanted = landing is not None and header.payload_count == 1 and not header.error
+        target = landing(server, header) if wanted and landing is not None else None
+        if target is None or target.nbytes != header.payload_nbytes:
+            return self._decode(server, [first, *dealer.recv_multipart(copy=False)])
+        size = dealer.recv_into(target)  # the rest of a multipart message is already here: never blocks
+        if dealer.getsockopt(zmq.RCVMORE):
+            dealer.recv_multipart()
+            return Incoming(server, None, ProtocolError("reply has more payload frames than its header announced"))
+        if size != target.nbytes:
+            return Incoming(server, None, ProtocolError(f"reply payload of {size} bytes, header announced {target.nbytes}"))
+        return Incoming(server, Message(header, [target], landed=True))
+
+
+def _drain_one(socket: zmq.Socket) -> bool:
+    try:
+        socket.recv(zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from tandem.kvstore.dist.client import Client
 from tandem.kvstore.dist.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
 from tandem.kvstore.dist.server import hello_info
-from tandem.kvstore.dist.topology import DistOptions, Topology, connect_store, server_endpoints
+from tandem.kvstore.dist.topology import DistOptions, Topology, connect_store, server_addresses
 from tandem.env import knob
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
 from tandem.kvstore.slots import optimizer_to_json
@@ -34,14 +35,14 @@ class DistKVStore(KVStore):
         self.topology, self.options, self.kind = topology, options, options.kind
         self.placement = placement or RangePlacement(topology.num_servers, options.bigarray_bound)
         store = connect_store(topology, options.rendezvous_timeout)
-        self.endpoints = server_endpoints(store, topology.num_servers, options.rendezvous_timeout)
-        self._client = Client(self.endpoints, topology.rank, options)
+        self.addresses = server_addresses(store, topology.num_servers, options.rendezvous_timeout)
+        self._client = Client(self.addresses, topology.rank, options, hello_info(topology, options))
         self._initialised: set[Key] = set()
         self._closed = False
         try:
-            self._client.hello(hello_info(topology, options))
+            self._client.connect()
         except BaseException:
-            self._client.close(goodbye_timeout=1.0)
+            self._client.close(timeout=1.0)
             raise
         atexit.register(self.close)  # servers finish cleanly even if the script forgets close()
 
@@ -71,7 +72,9 @@ class DistKVStore(KVStore):
                       priority: int, what: str) -> Handle:  # fmt: skip
         """One request per slice of every (key, value to send, tensors receiving the result) item."""
         self._check_usable()
-        plans = [(key, value, targets, self.placement.plan(key, value.numel())) for key, value, targets in items]
+        plans = [
+            (key, value, targets, self.placement.plan(key, value.numel())) for key, value, targets in items
+        ]
         finishers: list[Callable[[], None]] = []
 
         def finish_all() -> None:
@@ -86,7 +89,7 @@ class DistKVStore(KVStore):
                 finishers.append(finish)
             for part in slices:
                 payloads = [] if command is Command.PULL else [tensor_bytes(flat[part.start : part.stop])]
-                on_reply = _on_reply(handle, receive, part, value.dtype)
+                on_reply = _Reply(handle, receive, part, value.dtype)
                 self._client.submit(part.server, self._header(command, key, value, part, priority), payloads,
                                     on_reply, handle.fail)  # fmt: skip
         return handle
@@ -102,7 +105,9 @@ class DistKVStore(KVStore):
         self.barrier()
 
     def push(self, keys: Key | Sequence[Key], values: Any, priority: int = 0) -> Handle:
-        items: list[Item] = [(key, reduce_sum(tensors), []) for key, tensors in normalize(keys, values, "push")]
+        items: list[Item] = [
+            (key, reduce_sum(tensors), []) for key, tensors in normalize(keys, values, "push")
+        ]
         return self._send_tensors(Command.PUSH, items, priority, "push")
 
     def pull(self, keys: Key | Sequence[Key], out: Any, priority: int = 0) -> Handle:
@@ -129,7 +134,9 @@ class DistKVStore(KVStore):
         if self.rank == 0:
             for server in range(self.num_servers):
                 header = Header(command, 0, Role.WORKER, self.rank)
-                self._client.call(server, header, [memoryview(text.encode())], self.options.rendezvous_timeout)
+                self._client.call(
+                    server, header, [memoryview(text.encode())], self.options.rendezvous_timeout
+                )
         self.barrier()
 
     def set_optimizer(self, optimizer: Any) -> None:
@@ -166,10 +173,12 @@ class DistKVStore(KVStore):
             return
         self._closed = True
         atexit.unregister(self.close)
-        self._client.close(goodbye_timeout=self.options.timeout)
+        self._client.close(timeout=self.options.timeout)
 
 
-def _receiver(targets: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+def _receiver(
+    targets: list[torch.Tensor], like: torch.Tensor
+) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """Where replies land (the first target when it is contiguous CPU memory) and what copies it onward."""
     first = targets[0]
     direct = first.device.type == "cpu" and first.is_contiguous()
@@ -185,12 +194,24 @@ def _receiver(targets: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Te
     return landing.view(-1), copy_onward
 
 
-def _on_reply(handle: Handle, landing: torch.Tensor | None, part: Slice, dtype: torch.dtype) -> Callable[[Message], None]:
-    def on_reply(message: Message) -> None:
-        if landing is not None:
-            if len(message.payloads) != 1:
-                raise KVStoreError(f"server {part.server} answered without a value payload")
-            landing[part.start : part.stop].copy_(tensor_from_bytes(message.payloads[0], dtype, part.numel))
-        handle.part_done()
+@dataclass
+class _Reply:
+    """Completes one slice of a handle; for pulls, ``landing`` lets the IO thread receive the value in place."""
 
-    return on_reply
+    handle: Handle
+    target: torch.Tensor | None  # the flat tensor the reply's values belong in
+    part: Slice
+    dtype: torch.dtype
+    landing: memoryview | None = None  # bytes of target[part], read by Client when registering the request
+
+    def __post_init__(self) -> None:
+        if self.target is not None and self.part.numel:
+            self.landing = tensor_bytes(self.target[self.part.start : self.part.stop])
+
+    def __call__(self, message: Message) -> None:
+        if self.target is not None and not message.landed:
+            if len(message.payloads) != 1:
+                raise KVStoreError(f"server {self.part.server} answered without a value payload")
+            values = tensor_from_bytes(message.payloads[0], self.dtype, self.part.numel)
+            self.target[self.part.start : self.part.stop].copy_(values)
+        self.handle.part_done()
