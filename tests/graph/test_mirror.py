@@ -13,9 +13,13 @@ import torch.fx as fx
 from torch import nn
 
 import tandem
+from tandem.executor import Executor
 from tandem.graph import cost
+from tandem.graph.capture import capture
 from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
+from tandem.passes.manager import plan
 from tandem.passes.mirror import MirrorPolicy
+from tandem.step import StepConfig
 from tests.conftest import twin, zoo_case
 
 POLICIES = ["all", "sqrt", "memory-aware", 0.6]
@@ -35,44 +39,49 @@ def recomputed_ops(graph: TrainGraph) -> set[str]:
 
 
 @dataclass
-class Reference:
-    loss: torch.Tensor
-    grads: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-    peak_bytes: int
+class Case:
+    graph: TrainGraph  # captured once per model: capture is the slow part, planning is cheap
+    inputs: list[torch.Tensor]
 
 
 @functools.cache
-def off_reference(name: str) -> Reference:
-    """The "off" step of a zoo model, computed once per model (capture is the slow part)."""
+def case(name: str) -> Case:
     module, loss_fn, batch = zoo_case(name, batch_size=8)
-    step = tandem.compile(module, loss_fn, *batch, mirror="off")
-    torch.manual_seed(3)
-    result = step(*batch)
-    buffers = {n: b.clone() for n, b in module.named_buffers()}
-    return Reference(result.loss, result.grads, buffers, step.memory_report()["peak_bytes"])
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    graph = capture(module, loss_fn, batch)
+    inputs = [params[n] for n in graph.param_names] + [buffers[n] for n in graph.buffer_names] + list(batch)
+    return Case(graph, inputs)
+
+
+def planned_run(name: str, policy: object) -> tuple[TrainGraph, list[torch.Tensor], int]:
+    """Plan the captured step for ``policy`` and run it once: (graph, outputs, measured peak)."""
+    graph = plan(case(name).graph.clone(), StepConfig(mirror=policy))  # type: ignore[arg-type]
+    torch.manual_seed(3)  # same seed for every policy: dropout draws the same masks
+    outputs, memory = Executor(graph).run_measured(case(name).inputs)
+    return graph, outputs, memory.peak_bytes
+
+
+@functools.cache
+def off_run(name: str) -> tuple[list[torch.Tensor], int]:
+    _, outputs, peak = planned_run(name, "off")
+    return outputs, peak
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_matches_off(zoo_name: str, policy: object) -> None:
-    module, loss_fn, batch = zoo_case(zoo_name, batch_size=8)
-    mirrored = tandem.compile(module, loss_fn, *batch, mirror=policy)
-    torch.manual_seed(3)  # same seed: dropout draws the same masks in both
-    result = mirrored(*batch)
-    expected = off_reference(zoo_name)
-    torch.testing.assert_close(result.loss, expected.loss, **EXACT)
-    assert set(result.grads) == set(expected.grads)
-    for name, grad in expected.grads.items():
-        torch.testing.assert_close(result.grads[name], grad, **EXACT, msg=lambda m, n=name: f"{n}: {m}")
-    for name, buffer in module.named_buffers():  # BN stats updated once, exactly like off
-        torch.testing.assert_close(buffer, expected.buffers[name], **EXACT, msg=name)
-    check_structure(mirrored.graph)
-    report = mirrored.memory_report()
-    assert report["estimated_peak_bytes"] == report["peak_bytes"], "the plan's simulation matches the measurement"
+    graph, outputs, peak = planned_run(zoo_name, policy)
+    expected, off_peak = off_run(zoo_name)
+    assert len(outputs) == len(expected)  # loss, gradients, then BN running stats (updated once, like off)
+    for index, (value, reference) in enumerate(zip(outputs, expected)):
+        torch.testing.assert_close(value, reference, **EXACT, msg=lambda m, i=index: f"output {i}: {m}")
+    check_structure(graph)
+    notes = graph.notes["memory"]
+    assert notes["estimated_peak_bytes"] == peak, "the plan's simulation matches the measurement"
     if policy == "memory-aware":
-        assert report["peak_bytes"] <= expected.peak_bytes
-    assert set(report["saved_bytes_by_policy"]) == {"off", "all", "sqrt", "memory-aware"}
-    assert report["recompute_flops"] >= 0 and report["policy"]
+        assert peak <= off_peak
+    assert set(notes["saved_bytes_by_policy"]) == {"off", "all", "sqrt", "memory-aware"}
+    assert notes["recompute_flops"] >= 0 and notes["policy"]
 
 
 def check_structure(graph: TrainGraph) -> None:
@@ -98,8 +107,7 @@ def check_structure(graph: TrainGraph) -> None:
 
 def test_dropout_is_never_rerun_and_its_outputs_are_kept() -> None:
     # The most aggressive plan (every policy's copies are also checked in check_structure).
-    module, loss_fn, batch = zoo_case("gpt")
-    graph = tandem.compile(module, loss_fn, *batch, mirror=0.2).graph
+    graph, _, _ = planned_run("gpt", 0.2)
     dropouts = [n for n in graph.op_nodes() if cost.is_random(n)]
     assert dropouts and all(MetaKey.RECOMPUTE_OF not in n.meta for n in dropouts)
     assert recomputed(graph), "the tight budget does recompute, just not dropout"
@@ -189,17 +197,12 @@ def test_mlp_attention_mirrors_broadcast_add_and_tanh() -> None:
 
 
 def test_budget_fits_with_least_recompute() -> None:
-    module, loss_fn, batch = zoo_case("gpt", torch.float32, batch_size=8)
-    off = tandem.compile(twin(module), loss_fn, *batch)
-    off(*batch)
-    peak = off.memory_report()["peak_bytes"]
-    loose = tandem.compile(twin(module), loss_fn, *batch, mirror=0.95)
-    tight = tandem.compile(twin(module), loss_fn, *batch, mirror=f"{int(0.7 * peak)}B")
-    for step, budget in ((loose, 0.95 * peak), (tight, 0.7 * peak)):
-        step(*batch)
-        report = step.memory_report()
-        assert report["budget_met"] and report["peak_bytes"] <= budget
-    assert loose.memory_report()["recompute_flops"] <= tight.memory_report()["recompute_flops"]
+    _, peak = off_run("gpt")
+    loose, _, loose_peak = planned_run("gpt", 0.95)
+    tight, _, tight_peak = planned_run("gpt", f"{int(0.7 * peak)}B")
+    assert loose.notes["memory"]["budget_met"] and loose_peak <= 0.95 * peak
+    assert tight.notes["memory"]["budget_met"] and tight_peak <= 0.7 * peak
+    assert loose.notes["memory"]["recompute_flops"] <= tight.notes["memory"]["recompute_flops"]
 
 
 def test_impossible_budget_warns_and_uses_the_smallest_plan(caplog: pytest.LogCaptureFixture) -> None:
