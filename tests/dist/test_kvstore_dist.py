@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.dist.jobs import run_job, worker_lines
+from tests.dist.jobs import REPO, SCRIPTS, job_env, run_job, worker_lines
 
 
 @pytest.mark.parametrize("workers, servers", [(1, 1), (2, 3), (3, 2)])
@@ -46,3 +48,13 @@ def test_hostile_frames_are_rejected_and_servers_keep_serving() -> None:
             if line.startswith(f"[server {server}]") and "rejected" in line
         ]
         assert len(rejected) >= 17, result.stdout  # 9 at its control socket, 8 at its data socket
+
+
+def test_runs_under_torchrun() -> None:
+    """torchrun's agent hosts the store; ranks [0, TANDEM_NUM_SERVERS) serve, the rest are workers."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "3", str(SCRIPTS / "basic.py")]
+    env = job_env(TANDEM_NUM_SERVERS="1", **BOUND)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("basic OK") == 2, result.stdout
