@@ -108,16 +108,18 @@ class SlotTable:
         return slot
 
     def set_optimizer(self, optimizer_json: str) -> None:
-        self.optimizer = optimizer_from_json(optimizer_json)
-        self.optimizer_json = optimizer_json
-        for slot in self.slots.values():
-            slot.state = self._new_state(slot.value)
+        self.set_optimizer_object(optimizer_from_json(optimizer_json))
 
     def set_optimizer_object(self, optimizer: Any) -> None:
-        """Local use: keep the caller's optimizer object itself (no JSON round trip)."""
+        """Update with ``optimizer`` from now on; every slot gets fresh state.
+
+        Values are copied first: untracked zero-copy sends may still read the old tensors, and
+        optimizer updates write in place.
+        """
         self.optimizer = optimizer
         self.optimizer_json = optimizer_to_json(optimizer)
         for slot in self.slots.values():
+            slot.value, slot.owned, slot.readers = slot.value.clone(), True, []
             slot.state = self._new_state(slot.value)
 
     def _new_state(self, value: torch.Tensor) -> dict[str, torch.Tensor]:

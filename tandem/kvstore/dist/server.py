@@ -270,7 +270,9 @@ class Server:
         self._send_value(slot, peer, request)
 
     def _send_value(self, slot: Slot, peer: bytes, request: Header) -> None:
-        self._reply(peer, request, [tensor_bytes(slot.value)], slot=slot)
+        # only in-place updates (an optimizer) must wait for zero-copy sends; tracking them costs time
+        tracked = slot if self.table.optimizer is not None else None
+        self._reply(peer, request, [tensor_bytes(slot.value)], slot=tracked)
 
     def _set_optimizer(self, peer: bytes, message: Message) -> None:
         self.table.set_optimizer(_text_payload(message))
