@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import resource
 import statistics
@@ -50,7 +51,7 @@ from tandem.step import StepConfig  # noqa: E402
 OUT = Path(__file__).resolve().parent / "out"
 COMMAND = "PYTHONPATH=. .venv/bin/python bench/mirror.py"
 BUDGETS = (0.8, 0.6, 0.4)
-RSS_BATCH_FACTOR = 4  # RSS runs use a bigger batch, so activations show above the interpreter and capture
+RSS_BATCH_FACTOR = 8  # RSS runs use a bigger batch, so activations show above the interpreter and capture
 MB = 1e6
 
 # Sizes where activations dominate the step's memory, small enough for 2 shared CPU cores.
@@ -213,34 +214,44 @@ def measure(columns: list[Column], rounds: int) -> None:
 
 
 def rss_child(name: str, policy: str, quick: bool) -> None:
-    """Runs in a subprocess: three steps of one policy, prints peak RSS in bytes."""
+    """Runs in a subprocess: three steps of one policy; prints peak RSS of the process and of the steps."""
     config, batch_size = (QUICK if quick else MODELS)[name]
     module, loss_fn, batch = build(name, config, RSS_BATCH_FACTOR * batch_size)
     if policy == "eager":
-        for _ in range(3):
-            eager_step(module, loss_fn, batch)
+        run: Callable[[], Any] = partial(eager_step, module, loss_fn, batch)
     else:
         import tandem
 
-        step = tandem.compile(module, loss_fn, *batch, mirror=policy)
-        for _ in range(3):
-            step(*batch)
-    print(json.dumps({"maxrss_bytes": peak_rss()}))
+        run = partial(tandem.compile(module, loss_fn, *batch, mirror=policy), *batch)
+    gc.collect()
+    before = rss_now()
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: the peak from here on is the steps'
+    for _ in range(3):
+        run()
+    print(json.dumps({"process_bytes": peak_rss(), "steps_bytes": peak_rss() - before}))
+
+
+def rss_now() -> int:
+    return _status_kilobytes("VmRSS:") * 1024
 
 
 def peak_rss() -> int:
-    """This process's peak RSS. VmHWM, not ru_maxrss: ru_maxrss survives exec, so a child started
-    from a big parent reports the parent's peak."""
+    """Peak RSS since start or the last reset. VmHWM, not ru_maxrss: ru_maxrss survives exec, so a
+    child started from a big parent reports the parent's peak."""
+    return _status_kilobytes("VmHWM:") * 1024
+
+
+def _status_kilobytes(field_name: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if line.startswith(field_name):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def process_rss(name: str, policy: str, quick: bool) -> int:
+def process_rss(name: str, policy: str, quick: bool) -> dict[str, int]:
     command = [sys.executable, __file__, "--rss-child", name, policy] + (["--quick"] if quick else [])
     output = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True).stdout
-    return int(json.loads(output.strip().splitlines()[-1])["maxrss_bytes"])
+    return json.loads(output.strip().splitlines()[-1])
 
 
 def largest_batch(name: str, config: dict[str, Any], policy: str, cap: int, start: int) -> int:
@@ -346,7 +357,9 @@ def main() -> None:
         plot(name, columns)
         print("\n".join(table(name, columns)), flush=True)
     rss = {policy: process_rss("resnet", policy, args.quick) for policy in ("eager", "off", "memory-aware")}
-    summary.append(f"- process peak RSS (VmHWM), resnet at {RSS_BATCH_FACTOR}x the batch, capture + 3 steps: " + ", ".join(f"{p} {v / MB:.0f} MB" for p, v in rss.items()))
+    summary.append(f"- peak RSS, resnet at {RSS_BATCH_FACTOR}x the batch, one subprocess each (VmHWM): growth during 3 steps "
+                   + ", ".join(f"{p} {v['steps_bytes'] / MB:.0f} MB" for p, v in rss.items())
+                   + "; whole process incl. import and capture " + ", ".join(f"{p} {v['process_bytes'] / MB:.0f} MB" for p, v in rss.items()))
     config = QUICK["resnet"][0] if args.quick else DEMO
     cap = int(16 * MB if args.quick else 64 * MB)
     batches = {p: largest_batch("resnet", config, p, cap, start=8) for p in ("off", "memory-aware")}
