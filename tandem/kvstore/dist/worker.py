@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
+from tandem.env import knob
 from tandem.kvstore.base import Handle, Key, KVStore, normalize, reduce_sum
 from tandem.kvstore.dist.client import Client
 from tandem.kvstore.dist.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
 from tandem.kvstore.dist.server import hello_info
 from tandem.kvstore.dist.topology import DistOptions, Topology, connect_store, server_addresses
-from tandem.env import knob
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
 from tandem.kvstore.slots import optimizer_to_json
 
