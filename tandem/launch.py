@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import IO
+from typing import IO, Any
 
 from tandem.env import knob
 
@@ -177,6 +177,17 @@ def _say(lock: threading.Lock, text: str) -> None:
         print(f"{PREFIX} {text}", file=sys.stdout, flush=True)
 
 
+def _stop_on_sigterm() -> signal.Handlers | Any:
+    """Make SIGTERM to the launcher stop the job like Ctrl-C does (no orphaned processes); returns the old handler."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        return None  # signal handlers can only be set from the main thread
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the job described by ``args``; returns the exit code (0 when every process finished cleanly)."""
     command = _validate(args)
@@ -190,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     env = _base_env(args, master_addr, store.port)
     lock = threading.Lock()
     children: list[_Child] = []
+    previous = _stop_on_sigterm()
     try:
         for rank in range(args.num_servers):
             children.append(_start("server", rank, command, env, lock))
@@ -201,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         _stop(children, args.grace)
         return 130
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         del store  # closes the rendezvous store only after every child is gone
 
 

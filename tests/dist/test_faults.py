@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.dist.jobs import FAST_FAULTS, REPO, SCRIPTS, job_env, launch_command
+from tests.dist.jobs import FAST_FAULTS, REPO, SCRIPTS, job_env, launch_command, run_job
 
 DEADLINE = 30.0
 
@@ -82,7 +83,7 @@ def test_launcher_stops_the_job_when_a_process_dies(victim: str) -> None:
 
 
 def _start_by_hand(
-    tmp_path: Path, workers: int, servers: int
+    tmp_path: Path, workers: int, servers: int, script: str = "train_forever.py", *args: str
 ) -> tuple[dist.TCPStore, dict[str, subprocess.Popen[bytes]]]:
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
@@ -95,7 +96,7 @@ def _start_by_hand(
             log = open(tmp_path / f"{role}{rank}.log", "wb")  # noqa: SIM115 - closed with the process
             env = {**base, "TANDEM_ROLE": role, "TANDEM_RANK": str(rank), "PYTHONUNBUFFERED": "1"}
             processes[f"{role} {rank}"] = subprocess.Popen(
-                [os.sys.executable, str(SCRIPTS / "train_forever.py")],
+                [sys.executable, str(SCRIPTS / script), *args],
                 cwd=REPO,
                 env=env,
                 stdout=log,
@@ -140,3 +141,24 @@ def test_processes_notice_a_dead_peer_without_a_launcher(
         assert code != 0, (name, code, logs[name])
         if name != victim:
             assert re.search(survivor_says, logs[name]), (name, logs[name])
+
+
+def test_a_worker_dying_of_an_exception_stops_the_job_at_once(tmp_path: Path) -> None:
+    """The dying worker sends ABORT (not a goodbye): nobody waits for a heartbeat timeout."""
+    store, processes = _start_by_hand(tmp_path, 2, 2, "early_exit.py", "raise")
+    try:
+        codes = {name: process.wait(timeout=DEADLINE) for name, process in processes.items()}
+    finally:
+        for process in processes.values():
+            process.kill()
+        del store
+    logs = {name: _log(tmp_path, name) for name in processes}
+    assert all(code != 0 for code in codes.values()), (codes, logs)
+    for name in ("server 0", "server 1", "worker 0"):
+        assert "worker 1 died of ValueError: injected failure" in logs[name], (name, logs[name])
+
+
+def test_a_worker_closing_early_fails_the_others_requests_instead_of_hanging() -> None:
+    result = run_job("early_exit.py", 2, 1, "close", env=FAST_FAULTS)
+    assert "[worker 0] worker 0 stopped at step 5: RemoteError" in result.stdout, result.stdout
+    assert "worker(s) [1] closed their kvstore" in result.stdout, result.stdout

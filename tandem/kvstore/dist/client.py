@@ -81,6 +81,7 @@ class Client:
         self._hello = _Rendezvous(len(addresses))
         self._goodbye = _Rendezvous(len(addresses))
         self._closing = threading.Event()
+        self._abort_reason = ""  # set by abort(): send ABORT, not goodbye
         self._thread = threading.Thread(target=self._run, name=f"tandem-kvstore-worker-{rank}", daemon=True)
         self._thread.start()
 
@@ -203,7 +204,11 @@ class Client:
                 self._complete(incoming)
             if self._closing.is_set() and not saying_goodbye:
                 saying_goodbye = True
-                self._send_to_all(Command.BYE, self._goodbye, [])
+                if self._abort_reason:  # dying of an exception: tell the job instead of leaving quietly
+                    self._abort_servers(self._abort_reason)
+                    self._goodbye.fail(PeerFailure(self._abort_reason))
+                else:
+                    self._send_to_all(Command.BYE, self._goodbye, [])
             if connected and time.monotonic() >= next_heartbeat:
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.options.heartbeat
@@ -252,10 +257,20 @@ class Client:
         print(f"tandem kvstore, worker {self.rank}: {reason}; exiting", file=sys.stderr, flush=True)
         os._exit(1)
 
+    def abort(self, reason: str, timeout: float) -> None:
+        """Close, telling every server to stop the job (ABORT naming ``reason``) instead of saying goodbye."""
+        self._abort_reason = reason
+        self.close(timeout)
+
     def close(self, timeout: float) -> None:
         """Wait for outstanding requests, say goodbye to every server (unless the job failed), stop the IO thread."""
         deadline = time.monotonic() + timeout
-        while self.outstanding() and self._failure is None and time.monotonic() < deadline:
+        while (
+            self.outstanding()
+            and self._failure is None
+            and not self._abort_reason
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.002)
         self._closing.set()
         self.transport.wake()

@@ -55,7 +55,9 @@ class _Rounds:
     queued: dict[int, deque[torch.Tensor]] = field(default_factory=dict)  # worker -> pushes not merged yet
     pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes received in total
     applied: int = 0
-    waiting_pulls: list[tuple[int, bytes, Header]] = field(default_factory=list)  # (round needed, peer, request)
+    waiting_pulls: list[tuple[int, bytes, Header]] = field(
+        default_factory=list
+    )  # (round needed, peer, request)
 
 
 class Server:
@@ -91,7 +93,13 @@ class Server:
         """Publish the endpoint, then run the loop; returns the process exit code."""
         store = connect_store(self.topology, self.options.rendezvous_timeout)
         publish_server(store, self.rank, self.address)
-        log.info("server %d (%s, data %s) serving %s", self.rank, self.address.control, self.address.data, self.options.kind)
+        log.info(
+            "server %d (%s, data %s) serving %s",
+            self.rank,
+            self.address.control,
+            self.address.data,
+            self.options.kind,
+        )
         started = time.monotonic()
         try:
             while not self._finished():
@@ -114,10 +122,14 @@ class Server:
         now = time.monotonic()
         for worker in self.workers.values():
             if not worker.gone and now - worker.last_heard > self.options.timeout:
-                raise PeerFailure(f"{worker.description} stopped answering: no heartbeat for {self.options.timeout:.1f} s")
+                raise PeerFailure(
+                    f"{worker.description} stopped answering: no heartbeat for {self.options.timeout:.1f} s"
+                )
         if len(self.workers) < self.topology.num_workers and now - started > self.options.rendezvous_timeout:
             missing = sorted(set(range(self.topology.num_workers)) - set(self.workers))
-            raise PeerFailure(f"worker(s) {missing} never connected within {self.options.rendezvous_timeout:.0f} s")
+            raise PeerFailure(
+                f"worker(s) {missing} never connected within {self.options.rendezvous_timeout:.0f} s"
+            )
 
     def _dispatch(self, incoming: Incoming) -> None:
         message, on_data = incoming.message, incoming.peer is None
@@ -127,7 +139,9 @@ class Server:
             return
         header = message.header
         if header.response or header.sender_role is not Role.WORKER:
-            self._reject(where, f"unexpected {header.command.name} {'response' if header.response else 'request'}")
+            self._reject(
+                where, f"unexpected {header.command.name} {'response' if header.response else 'request'}"
+            )
             return
         if (header.command in CONTROL_COMMANDS) == on_data:
             self._reject(where, f"{header.command.name} on the {'data' if on_data else 'control'} socket")
@@ -137,7 +151,9 @@ class Server:
             return
         worker = self.workers.get(header.sender_rank)
         if worker is None or worker.gone or not (on_data or incoming.peer == worker.peer):
-            self._reject(where, f"{header.command.name} from worker {header.sender_rank}, which did not say hello")
+            self._reject(
+                where, f"{header.command.name} from worker {header.sender_rank}, which did not say hello"
+            )
             return
         worker.last_heard = time.monotonic()
         self._guarded(worker.peer, header, lambda: self._handlers[header.command](worker.peer, message))
@@ -152,7 +168,9 @@ class Server:
             raise
         except Exception as error:  # a bug or a hostile request: report it, keep serving
             log.exception("server %d: %s failed", self.rank, header.describe())
-            self._reply_error(peer, header, f"internal error on server {self.rank}: {type(error).__name__}: {error}")
+            self._reply_error(
+                peer, header, f"internal error on server {self.rank}: {type(error).__name__}: {error}"
+            )
 
     def _reject(self, where: str, reason: str) -> None:
         self.rejected += 1
@@ -176,29 +194,57 @@ class Server:
                     "num_servers": self.topology.num_servers}  # fmt: skip
         seen = {name: info.get(name) for name in expected}
         if seen != expected:
-            raise RemoteError(f"worker {header.sender_rank} runs {seen} but server {self.rank} runs {expected}")
+            raise RemoteError(
+                f"worker {header.sender_rank} runs {seen} but server {self.rank} runs {expected}"
+            )
         if not 0 <= header.sender_rank < self.topology.num_workers:
             raise RemoteError(f"worker rank {header.sender_rank} is outside [0, {self.topology.num_workers})")
         known = self.workers.get(header.sender_rank)
         if known is not None and known.peer != peer:
             raise RemoteError(f"worker rank {header.sender_rank} is already connected from another process")
         where = f"pid {info.get('pid')} on {info.get('host')}"
-        self.workers[header.sender_rank] = _WorkerState(peer, f"worker {header.sender_rank} ({where})", time.monotonic())
+        self.workers[header.sender_rank] = _WorkerState(
+            peer, f"worker {header.sender_rank} ({where})", time.monotonic()
+        )
         self._reply(peer, header)
 
     def _bye(self, peer: bytes, message: Message) -> None:
-        self.workers[message.header.sender_rank].gone = True
+        """A worker closed its store: what still waits for it can never complete, so say so now."""
+        rank = message.header.sender_rank
+        self.workers[rank].gone = True
         self._reply(peer, message.header)
+        reason = self._departed_problem()
+        stranded = [(waiting, request) for waiting, request in self.barrier.values()]
+        stranded += [
+            (waiting, request)
+            for rounds in self.rounds.values()
+            for _, waiting, request in rounds.waiting_pulls
+        ]
+        self.barrier = {}
+        for rounds in self.rounds.values():
+            rounds.waiting_pulls = []
+        for waiting, request in stranded:
+            self._reply_error(waiting, request, reason)
+
+    def _departed(self) -> list[int]:
+        return [rank for rank, worker in self.workers.items() if worker.gone]
+
+    def _departed_problem(self) -> str:
+        return f"worker(s) {self._departed()} closed their kvstore, so this cannot complete; every worker must run the same steps"
 
     def _abort(self, peer: bytes, message: Message) -> None:
-        reason = bytes(message.payloads[0]).decode("utf-8", "replace") if message.payloads else "no reason given"
+        reason = (
+            bytes(message.payloads[0]).decode("utf-8", "replace") if message.payloads else "no reason given"
+        )
         raise PeerFailure(f"worker {message.header.sender_rank} aborted the job: {reason}")
 
     def _broadcast_abort(self, reason: str) -> None:
         for rank, worker in self.workers.items():
             if not worker.gone:
                 header = Header(Command.ABORT, 0, Role.SERVER, self.rank, response=True)
-                self.transport.send(worker.peer, header, [memoryview(f"server {self.rank}: {reason}".encode())])
+                self.transport.send(
+                    worker.peer, header, [memoryview(f"server {self.rank}: {reason}".encode())]
+                )
                 log.info("server %d told worker %d to stop", self.rank, rank)
 
     def _slot_id(self, header: Header) -> SlotId:
@@ -225,7 +271,11 @@ class Server:
         header = message.header
         slot_id, tensor = self._tensor_request(message)
         assert header.dtype is not None
-        return slot_id, self.table.get(slot_id, header.shape, header.dtype, header.command.name.lower()), tensor
+        return (
+            slot_id,
+            self.table.get(slot_id, header.shape, header.dtype, header.command.name.lower()),
+            tensor,
+        )
 
     def _push(self, peer: bytes, message: Message) -> None:
         slot_id, slot, tensor = self._lookup(message)
@@ -265,6 +315,8 @@ class Server:
         rounds = self.rounds.get(slot_id) if self.options.sync else None
         needed = 0 if rounds is None else rounds.pushed.get(request.sender_rank, 0)
         if rounds is not None and rounds.applied < needed:
+            if self._departed():
+                raise RemoteError(f"{request.describe()}: {self._departed_problem()}")
             rounds.waiting_pulls.append((needed, peer, request))  # answered when that round is applied
             return
         self._send_value(slot, peer, request)
@@ -279,6 +331,8 @@ class Server:
         self._reply(peer, message.header)
 
     def _barrier(self, peer: bytes, message: Message) -> None:
+        if self._departed():
+            raise RemoteError(f"barrier: {self._departed_problem()}")
         self.barrier[message.header.sender_rank] = (peer, message.header)
         if len(self.barrier) == self.topology.num_workers:
             arrived, self.barrier = self.barrier, {}

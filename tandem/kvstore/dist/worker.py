@@ -8,6 +8,7 @@ the IO thread, which is why results are only visible after ``wait``.
 from __future__ import annotations
 
 import atexit
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class DistKVStore(KVStore):
         except BaseException:
             self._client.close(timeout=1.0)
             raise
-        atexit.register(self.close)  # servers finish cleanly even if the script forgets close()
+        atexit.register(self._close_at_exit)  # servers finish cleanly even if the script forgets close()
 
     @property
     def rank(self) -> int:
@@ -169,11 +170,28 @@ class DistKVStore(KVStore):
         self._broadcast(Command.LOAD, path, "load_server_state")
 
     def close(self) -> None:
+        self._close()
+
+    def _close(self, abort_reason: str = "") -> None:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
-        self._client.close(timeout=self.options.timeout)
+        atexit.unregister(self._close_at_exit)
+        if abort_reason and hasattr(
+            self._client, "abort"
+        ):  # P3's sender stands in for the client, maybe without it
+            self._client.abort(abort_reason, timeout=self.options.timeout)
+        else:
+            self._client.close(timeout=self.options.timeout)
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit: a goodbye, or, if the script dies of an exception, an ABORT naming it.
+
+        Without this a crashed worker would look finished, and the others would wait for its pushes.
+        """
+        error = getattr(sys, "last_value", None)  # set when an uncaught exception ended the main thread
+        reason = f"worker {self.rank} died of {type(error).__name__}: {error}" if error is not None else ""
+        self._close(abort_reason=reason)
 
 
 def _receiver(
