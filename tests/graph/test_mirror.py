@@ -246,3 +246,9 @@ def test_env_knob_fills_in_and_explicit_option_wins(monkeypatch: pytest.MonkeyPa
     module, loss_fn, batch = zoo_case("mlp")
     assert tandem.compile(module, loss_fn, *batch).graph.notes["memory"]["policy"] == "memory-aware"
     assert tandem.compile(module, loss_fn, *batch, mirror="off").graph.notes["memory"]["policy"] == "off"
+
+
+def test_trainer_passes_mirror_to_its_step() -> None:
+    from tandem.trainer import TrainerConfig
+
+    assert TrainerConfig.from_options({"mirror": "memory-aware"}).step.mirror == "memory-aware"
