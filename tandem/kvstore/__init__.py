@@ -2,7 +2,7 @@
 
 ``create("local")`` sums per-device values in this process; ``create("dist_sync")`` and
 ``create("dist_async")`` join a parameter-server job started by ``tandem launch`` or torchrun
-(see docs/distributed.md).
+(see docs/distributed.md); ``dist_p3`` / ``dist_p3_async`` add priority-based propagation (docs/p3.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tandem.kvstore.base import Handle, KVStore
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, ProtocolError, RemoteError
 from tandem.kvstore.local import LocalKVStore
 
-KINDS = ("local", "dist_sync", "dist_async")
+KINDS = ("local", "dist_sync", "dist_async", "dist_p3", "dist_p3_async")
 
 
 def create(kind: str = "local", **options: Any) -> KVStore:
@@ -31,6 +31,12 @@ def create(kind: str = "local", **options: Any) -> KVStore:
         from tandem.kvstore.dist import connect  # imported late: zmq is only needed for distributed runs
 
         return connect(kind, **options)
+    if kind in ("dist_p3", "dist_p3_async"):
+        from tandem.kvstore.dist.p3 import (
+            connect as connect_p3,  # options: slice_size, water_mark, as dist_sync's
+        )
+
+        return connect_p3(kind, **options)
     raise ValueError(f"unknown kvstore kind {kind!r}; choose one of {KINDS}")
 
 
