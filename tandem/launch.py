@@ -56,7 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping"
     )
     parser.add_argument(
-        "--p3", action="store_true", help="reserved: priority-based parameter propagation (not yet)"
+        "--p3", action="store_true",
+        help="priority-based parameter propagation: dist_sync/dist_async stores become dist_p3 ones (docs/p3.md)",
+    )
+    parser.add_argument(
+        "--netns-rate", default=None, metavar="RATE",
+        help="run every process in its own network namespace, its link shaped to RATE both ways (e.g. 100mbit; "
+        "'none': no shaping); needs root and iproute2, else falls back to loopback with a warning",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every process runs")
 
@@ -84,6 +90,8 @@ def _base_env(args: argparse.Namespace, master_addr: str, master_port: int) -> d
     env.update(item.split("=", 1) for item in args.env)
     processes = args.num_workers + args.num_servers
     threads = int(env.get("TANDEM_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // processes)
+    if args.p3:  # like MXNet's launch.py --p3: the script's dist_sync store becomes a P3 store
+        env["TANDEM_KVSTORE_P3"] = "1"
     env.update(
         TANDEM_NUM_WORKERS=str(args.num_workers),
         TANDEM_NUM_SERVERS=str(args.num_servers),
@@ -103,8 +111,12 @@ def _forward(child: _Child, stream: IO[bytes], lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
-def _start(role: str, rank: int, command: list[str], env: dict[str, str], lock: threading.Lock) -> _Child:
+def _start(role: str, rank: int, command: list[str], env: dict[str, str], lock: threading.Lock,
+           host: Any = None) -> _Child:  # fmt: skip
     child_env = {**env, "TANDEM_ROLE": role, "TANDEM_RANK": str(rank)}
+    if host is not None:  # its own network namespace: servers bind to that host's address
+        child_env["TANDEM_BIND_ADDR"] = host.address
+        command = host.command(command)
     process = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     child = _Child(role, rank, process)
@@ -191,11 +203,12 @@ def _stop_on_sigterm() -> signal.Handlers | Any:
 def run(args: argparse.Namespace) -> int:
     """Run the job described by ``args``; returns the exit code (0 when every process finished cleanly)."""
     command = _validate(args)
-    if args.p3:
-        print(f"{PREFIX} --p3 is reserved and has no effect yet", file=sys.stderr)
     import torch.distributed as dist  # imported late: `tandem --help` should not pay for torch
 
-    master_addr = args.master_addr or knob("TANDEM_MASTER_ADDR")
+    network = _network(args)
+    hosts = network.hosts if network is not None else [None] * (args.num_servers + args.num_workers)
+    # in namespaces the store listens in the root namespace, which every host reaches over the bridge
+    master_addr = network.root_address if network is not None else args.master_addr or knob("TANDEM_MASTER_ADDR")
     store = dist.TCPStore(master_addr, args.master_port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))  # fmt: skip
     env = _base_env(args, master_addr, store.port)
@@ -204,9 +217,9 @@ def run(args: argparse.Namespace) -> int:
     previous = _stop_on_sigterm()
     try:
         for rank in range(args.num_servers):
-            children.append(_start("server", rank, command, env, lock))
+            children.append(_start("server", rank, command, env, lock, hosts[rank]))
         for rank in range(args.num_workers):
-            children.append(_start("worker", rank, command, env, lock))
+            children.append(_start("worker", rank, command, env, lock, hosts[args.num_servers + rank]))
         return _supervise(children, args.grace, server_wait=knob("TANDEM_PS_TIMEOUT") + args.grace, lock=lock)
     except KeyboardInterrupt:
         _say(lock, "interrupted; stopping every process")
@@ -216,6 +229,20 @@ def run(args: argparse.Namespace) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         del store  # closes the rendezvous store only after every child is gone
+        if network is not None:
+            network.close()
+
+
+def _network(args: argparse.Namespace) -> Any:
+    """The namespaces of --netns-rate, one host per process (servers first), or None without it."""
+    if args.netns_rate is None:
+        return None
+    from tandem.testing import netns
+
+    try:
+        return netns.Network(args.num_servers + args.num_workers, rate=None if args.netns_rate == "none" else args.netns_rate)
+    except ValueError as error:
+        raise SystemExit(f"{PREFIX} --netns-rate: {error}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,24 +9,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.env import knob
 from tandem.kvstore.base import Handle, KVStore
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, ProtocolError, RemoteError
 from tandem.kvstore.local import LocalKVStore
 
 KINDS = ("local", "dist_sync", "dist_async", "dist_p3", "dist_p3_async")
+P3_FOR = {"dist_sync": "dist_p3", "dist_async": "dist_p3_async"}  # what TANDEM_KVSTORE_P3=1 (launch --p3) makes of a kind
 
 
 def create(kind: str = "local", **options: Any) -> KVStore:
     """A new store of ``kind``; distributed kinds read their topology from the environment.
 
     Options of distributed kinds (each defaults to its TANDEM_* knob): ``bigarray_bound``,
-    ``heartbeat``, ``timeout``, ``secret``, ``bind_addr``, ``rendezvous_timeout``, ``exit_on_failure``.
+    ``heartbeat``, ``timeout``, ``secret``, ``bind_addr``, ``rendezvous_timeout``, ``exit_on_failure``;
+    ``dist_p3``/``dist_p3_async`` also take ``slice_size`` (or "auto") and ``water_mark`` (docs/p3.md).
+    With TANDEM_KVSTORE_P3=1 (``tandem launch --p3``) ``dist_sync``/``dist_async`` become P3 stores.
     In a server process of a distributed job this call serves until the job ends and exits the process.
     """
     if kind == "local":
         if options:
             raise TypeError(f"the local kvstore takes no options, got {sorted(options)}")
         return LocalKVStore()
+    if kind in P3_FOR and knob("TANDEM_KVSTORE_P3"):
+        kind = P3_FOR[kind]
     if kind in ("dist_sync", "dist_async"):
         from tandem.kvstore.dist import connect  # imported late: zmq is only needed for distributed runs
 

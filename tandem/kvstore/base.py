@@ -36,6 +36,7 @@ class Handle:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._event = threading.Event()
+        self._callbacks: list[Callable[[Handle], None]] = []
         if parts == 0:
             self._finish()
 
@@ -52,7 +53,8 @@ class Handle:
             if self._event.is_set():
                 return
             self._error = error
-        self._event.set()
+            self._event.set()
+        self._run_callbacks()
 
     def _finish(self) -> None:
         try:
@@ -60,7 +62,32 @@ class Handle:
                 self._on_complete()
         except BaseException as error:  # noqa: BLE001 - surfaced to the waiting caller instead
             self._error = error
-        self._event.set()
+        with self._lock:
+            self._event.set()
+        self._run_callbacks()
+
+    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
+        """Run ``callback(handle)`` once when the operation finishes or fails (at once if it already has).
+
+        It runs in the thread completing the operation (the kvstore's IO thread) or in the caller's
+        thread if already done; keep it short and non-blocking. ``handle.error`` says whether it failed.
+        """
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def _run_callbacks(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The operation's error once done (None while running or after success)."""
+        return self._error if self._event.is_set() else None
 
     def done(self) -> bool:
         """True once the operation finished or failed; never blocks."""

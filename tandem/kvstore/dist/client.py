@@ -81,6 +81,7 @@ class Client:
         self._hello = _Rendezvous(len(addresses))
         self._goodbye = _Rendezvous(len(addresses))
         self._closing = threading.Event()
+        self.on_received: Callable[[int, Header], None] | None = None  # P3: (server, header) of a parked request
         self._abort_reason = ""  # set by abort(): send ABORT, not goodbye
         self._thread = threading.Thread(target=self._run, name=f"tandem-kvstore-worker-{rank}", daemon=True)
         self._thread.start()
@@ -164,6 +165,10 @@ class Client:
         header = message.header
         if header.command is Command.ABORT:
             raise PeerFailure(f"the job was stopped: {_text(message, 'no reason given')}")
+        if header.command is Command.RECEIVED:
+            if self.on_received is not None:
+                self.on_received(server, header)
+            return
         if header.command is Command.HEARTBEAT or not header.response:
             return
         with self._lock:

@@ -28,8 +28,8 @@ from tandem.kvstore.base import Handle
 from tandem.kvstore.dist.p3_queue import LanePriorityQueue
 from tandem.kvstore.dist.p3_sender import PrioritySender
 from tandem.kvstore.dist.p3_tuner import DEFAULT_SLICE_SIZE, WATER_MARKS, AutoTuner, Config
-from tandem.kvstore.dist.placement import Slice, stable_server
-from tandem.kvstore.dist.protocol import Command, Key, Message
+from tandem.kvstore.dist.placement import RoundRobinPlacement
+from tandem.kvstore.dist.protocol import Command, Key, Message, Role
 from tandem.kvstore.dist.server import Server
 from tandem.kvstore.dist.topology import DistOptions, Topology, set_torch_threads
 from tandem.kvstore.dist.transport import Incoming, ServerTransport
@@ -40,35 +40,6 @@ P3_KINDS = {"dist_p3": "dist_sync", "dist_p3_async": "dist_async"}  # P3 kind ->
 AUTO = 0  # slice_size (TANDEM_KVSTORE_SLICE_THRESHOLD) meaning "tune it"
 TUNER_KEY = "p3/tuner"  # where workers average their scores
 URGENT = 1 << 30  # the tuner's agreement must not wait behind the backlog
-
-
-@dataclass(frozen=True)
-class RoundRobinPlacement:
-    """P3's placement: slices of ``slice_size`` elements, consecutive slices on consecutive servers.
-
-    The first slice goes to the key's stable server, so single-slice keys still spread over servers.
-    """
-
-    num_servers: int
-    slice_size: int = 40_000
-
-    def __post_init__(self) -> None:
-        if self.num_servers < 1:
-            raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
-        if self.slice_size < 1:
-            raise ValueError(
-                f"slice_size must be >= 1 (TANDEM_KVSTORE_SLICE_THRESHOLD), got {self.slice_size}"
-            )
-
-    def plan(self, key: Key, numel: int) -> list[Slice]:
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0, got {numel}")
-        first = stable_server(key, self.num_servers)
-        if numel == 0:
-            return [Slice(first, 0, 0)]
-        starts = range(0, numel, self.slice_size)
-        return [Slice((first + index) % self.num_servers, start, min(start + self.slice_size, numel))
-                for index, start in enumerate(starts)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -202,6 +173,14 @@ class P3Server(Server):
         super().__init__(topology, options)
         self.transport = PriorityReceive(self.transport)  # type: ignore[assignment]
         self._row = f"p3 serve (server {topology.rank})"
+
+    def _pushpull(self, peer: bytes, message: Message) -> None:
+        """As the plain server's; a pushpull that must wait for other workers is announced RECEIVED
+        at once, so that the worker's water mark counts it as delivered (see ``p3_sender``)."""
+        super()._pushpull(peer, message)
+        rounds = self.rounds.get(self._slot_id(message.header)) if self.options.sync else None
+        if rounds is not None and any(request is message.header for *_, request in rounds.waiting_pulls):
+            self.transport.send(peer, message.header.reply(Role.SERVER, self.rank, command=Command.RECEIVED))
 
     def _dispatch(self, incoming: Incoming) -> None:
         start = trace.now_us()

@@ -1,22 +1,24 @@
 """P3's worker side: a priority send queue with a cap on pushes in flight, in front of the ``Client``.
 
 Why a cap: once bytes are handed to the network they cannot be overtaken. With at most
-``water_mark`` pushes sent but not yet acknowledged, the backlog stays in the priority queue, where
-the first layers' slices (produced last by backward, needed first by forward) overtake the rest.
+``water_mark`` requests carrying tensor bytes sent but not yet known to have arrived, the backlog
+stays in the priority queue, where the first layers' slices (produced last by backward, needed
+first by forward) overtake the rest.
 
-Why only pushes count: a server acknowledges a push on receipt, but answers a pull (in sync mode)
-only once every worker pushed that round. If pulls counted, two workers whose caps were full of
-pulls waiting for each other's pushes would deadlock. So a ``pushpull`` of a slice is sent as a
-push followed at once by a pull of the same slice (same socket, so the server sees them in order);
-only the push counts, and the pull's reply carries the result.
+"Arrived", not "answered": in sync mode a server answers a pushpull only once every worker pushed
+that round. If the cap counted unanswered pushpulls, two workers whose caps were full of requests
+waiting for each other's pushes would deadlock. So a ``P3Server`` sends a small RECEIVED notice
+for a pushpull it has to park, and the cap slot is released by that notice or by the reply,
+whichever comes first. Pulls carry no tensor bytes and never count.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine import trace
@@ -27,6 +29,14 @@ from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure
 
 QUEUED_COMMANDS = frozenset({Command.INIT, Command.PUSH, Command.PULL, Command.PUSHPULL})
 POLL_SECONDS = 0.2  # how often a waiting sender looks for a failed connection
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One capped request's place under the water mark; released once (by RECEIVED or the reply)."""
+
+    lane: Hashable
+    released: bool = field(default=False)
 
 
 @dataclass
@@ -43,6 +53,11 @@ class _Request:
         """Does it put tensor bytes on the wire (and so count against the water mark)?"""
         return self.header.command is not Command.PULL
 
+    @property
+    def lane(self) -> Hashable:
+        """Requests of one lane keep their order: same server, key and slice."""
+        return (self.server, self.header.key, self.header.slice_start)
+
 
 class PrioritySender:
     """Stands in for a ``Client``: tensor requests are queued by priority, control requests pass straight.
@@ -58,12 +73,14 @@ class PrioritySender:
         self._client, self._water_mark, self.slice_size = client, water_mark, slice_size
         self._queue: LanePriorityQueue[_Request] = LanePriorityQueue()
         self._cond = threading.Condition(threading.RLock())
-        self._in_flight = 0  # pushes sent and not acknowledged
+        self._in_flight = 0  # capped requests sent and not yet known to have arrived
+        self._awaiting: dict[Hashable, deque[_Slot]] = {}  # lane -> its unreleased slots, oldest first
         self._handing_over = 0  # popped, not yet registered by the client
         self._stopping = False
         self._send_row, self._receive_row = f"p3 send (worker {rank})", f"p3 receive (worker {rank})"
         self._thread = threading.Thread(target=self._run, name=f"tandem-p3-sender-{rank}", daemon=True)
         self._thread.start()
+        client.on_received = self._on_received
 
     @property
     def failure(self) -> PeerFailure | None:
@@ -96,10 +113,9 @@ class PrioritySender:
             if not self._queue and not self._handing_over and self._in_flight < self._water_mark:
                 # nothing to overtake: send from this thread (saves a thread hand-off per slice);
                 # holding the lock keeps every other send, and so every lane, behind this one
-                self._in_flight += request.capped
                 self._send(request)
                 return
-            self._queue.put(request, header.priority, (server, header.key, header.slice_start))
+            self._queue.put(request, header.priority, request.lane)
             self._cond.notify_all()
 
     def call(self, server: int, header: Header, payloads: Sequence[Any], timeout: float) -> Message:
@@ -126,7 +142,6 @@ class PrioritySender:
                     if self._client.failure is not None:
                         self._fail_queued(self._client.failure)
                 request = self._queue.pop()
-                self._in_flight += request.capped
                 self._handing_over += 1
             try:
                 self._send(request)
@@ -139,28 +154,48 @@ class PrioritySender:
         while self._queue:
             self._queue.pop().on_error(error)
 
-    def _release(self) -> None:
+    def _hold(self, request: _Request) -> _Slot:
+        """Count ``request`` against the water mark until ``_release`` (registered before it is sent)."""
+        slot = _Slot(request.lane)
+        with self._cond:
+            self._in_flight += 1
+            self._awaiting.setdefault(slot.lane, deque()).append(slot)
+        return slot
+
+    def _release(self, slot: _Slot) -> None:
         with self._cond:  # reentrant: a reply may fail inside an inline send
+            if slot.released:
+                return
+            slot.released = True
             self._in_flight -= 1
+            waiting = self._awaiting[slot.lane]
+            waiting.remove(slot)
+            if not waiting:
+                del self._awaiting[slot.lane]
             self._cond.notify_all()
+
+    def _on_received(self, server: int, header: Header) -> None:
+        """IO thread: a server parked a request of this lane; its oldest unreleased slot is free again."""
+        with self._cond:
+            waiting = self._awaiting.get((server, header.key, header.slice_start))
+            if waiting:
+                self._release(waiting[0])
 
     def _send(self, request: _Request) -> None:
         start = trace.now_us()
-        header, submit = request.header, self._client.submit
+        header = request.header
         try:
-            if header.command is Command.PUSHPULL:
-                submit(request.server, replace(header, command=Command.PUSH), request.payloads,
-                       lambda message: self._release(), self._released_error(request))  # fmt: skip
-                submit(request.server, replace(header, command=Command.PULL), [], self._traced(request),
-                       request.on_error)  # fmt: skip
-            elif request.capped:
-                submit(request.server, header, request.payloads, self._released_reply(request),
-                       self._released_error(request))  # fmt: skip
+            if request.capped:
+                slot = self._hold(request)
+                self._client.submit(request.server, header, request.payloads, self._released_reply(request, slot),
+                                    self._released_error(request, slot))  # fmt: skip
             else:
-                submit(request.server, header, request.payloads, self._traced(request), request.on_error)
+                self._client.submit(
+                    request.server, header, request.payloads, self._traced(request), request.on_error
+                )
         except (KVStoreTimeout, PeerFailure) as error:
             if request.capped:
-                self._release()
+                self._release(slot)
             request.on_error(error)
         if trace.enabled():
             trace.record(f"send {header.command.name.lower()} {header.key}[{self._slice(header)}]", start,
@@ -187,18 +222,18 @@ class PrioritySender:
 
         return on_reply
 
-    def _released_reply(self, request: _Request) -> Callable[[Message], None]:
+    def _released_reply(self, request: _Request, slot: _Slot) -> Callable[[Message], None]:
         traced = self._traced(request)
 
         def on_reply(message: Message) -> None:
-            self._release()
+            self._release(slot)
             traced(message)
 
         return on_reply
 
-    def _released_error(self, request: _Request) -> Callable[[BaseException], None]:
+    def _released_error(self, request: _Request, slot: _Slot) -> Callable[[BaseException], None]:
         def on_error(error: BaseException) -> None:
-            self._release()
+            self._release(slot)
             request.on_error(error)
 
         return on_error

@@ -1,8 +1,8 @@
 """Which server holds which part of each key: a small strategy interface and ps-lite's default.
 
 Placement lives in one module so that every worker computes the same plan without talking: a plan
-depends only on the key, its element count and the job's topology. P3's round-robin slicing is a
-second ``Placement`` beside ``RangePlacement``.
+depends only on the key, its element count and the job's topology. P3's round-robin slicing
+(``RoundRobinPlacement``) is the second ``Placement`` beside ``RangePlacement``.
 """
 
 from __future__ import annotations
@@ -69,3 +69,31 @@ class RangePlacement:
         bounds = [numel * part // self.num_servers for part in range(self.num_servers + 1)]
         slices = [Slice(server, bounds[server], bounds[server + 1]) for server in range(self.num_servers)]
         return [part for part in slices if part.numel > 0]  # fewer elements than servers: skip empty parts
+
+
+@dataclass(frozen=True)
+class RoundRobinPlacement:
+    """P3's placement: slices of ``slice_size`` elements, consecutive slices on consecutive servers.
+
+    Every slice is its own request (so a big layer neither hogs one server nor holds the link for
+    long); the first slice goes to the key's stable server, so single-slice keys still spread out.
+    """
+
+    num_servers: int
+    slice_size: int = 40_000
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 1:
+            raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
+        if self.slice_size < 1:
+            raise ValueError(f"slice_size must be >= 1 (TANDEM_KVSTORE_SLICE_THRESHOLD), got {self.slice_size}")
+
+    def plan(self, key: Key, numel: int) -> list[Slice]:
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        first = stable_server(key, self.num_servers)
+        if numel == 0:
+            return [Slice(first, 0, 0)]
+        starts = range(0, numel, self.slice_size)
+        return [Slice((first + index) % self.num_servers, start, min(start + self.slice_size, numel))
+                for index, start in enumerate(starts)]  # fmt: skip

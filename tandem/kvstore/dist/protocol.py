@@ -59,6 +59,7 @@ class Command(IntEnum):
     SAVE = 10
     LOAD = 11
     ABORT = 12
+    RECEIVED = 13  # server -> worker: the request arrived and waits for other workers (P3)
 
 
 class Flag(IntFlag):
