@@ -90,3 +90,29 @@ def test_a_crashed_run_is_removed_by_the_next_network() -> None:
         while _leftovers(child.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _leftovers(child.pid) == []
+
+
+JOB = """
+import os, torch
+import tandem.kvstore as kvstore
+kv = kvstore.create("dist_sync")
+assert os.environ["TANDEM_MASTER_ADDR"].startswith("10.231."), os.environ["TANDEM_MASTER_ADDR"]
+assert kv.addresses[0].control.startswith("tcp://10.231."), kv.addresses
+kv.init("w", torch.zeros(1000))
+out = torch.empty(1000)
+kv.pushpull("w", torch.ones(1000), out=out).wait(timeout=30)
+assert torch.equal(out, torch.full((1000,), 2.0))
+print("netns job OK", kv.rank)
+kv.close()
+"""
+
+
+def test_launch_runs_every_process_in_its_own_namespace() -> None:
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = [sys.executable, "-m", "tandem.launch", "-n", "2", "-s", "1", "--netns-rate", "200mbit", "--grace", "2",
+               "--", sys.executable, "-c", JOB]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": repo, "TANDEM_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("netns job OK") == 2, result.stdout
+    assert _leftovers(os.getpid()) == []

@@ -7,13 +7,14 @@ server process serves and exits inside ``connect``; a worker checks and saves it
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.dist.jobs import run_job, worker_lines
+from tests.dist.jobs import REPO, job_env, launch_command, run_job, worker_lines
 
 SLICE = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "64"}
 SHAPES: dict[str | int, tuple[int, ...]] = {
@@ -81,6 +82,22 @@ def test_auto_tuning_agrees_on_every_worker_and_keeps_sums_exact(tmp_path: Path)
     chosen = {line.split("result ")[1] for line in worker_lines(output, " tuned ")}
     assert len(worker_lines(output, " tuned ")) == 2, output
     assert len(chosen) == 1, output  # both workers walked the same search path
+
+
+def test_workers_sending_in_opposite_orders_do_not_deadlock(tmp_path: Path) -> None:
+    # water mark 1: if the cap counted pushpulls until answered, each worker's one slot would wait
+    # for the other's push of that slice, which sits behind the other's own occupied slot
+    _run("opposite", "dist_p3", 2, 2, tmp_path, {"TANDEM_PS_WATER_MARK": "1"})
+
+
+def test_launch_p3_turns_dist_sync_into_p3(tmp_path: Path) -> None:
+    command = launch_command(str(Path(__file__).resolve()), 2, 1, "launched", "dist_sync", str(tmp_path))
+    command.insert(command.index("--"), "--p3")
+    result = subprocess.run(
+        command, cwd=REPO, env=job_env(**SLICE), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(worker_lines(result.stdout, "launched OK")) == 2, result.stdout
 
 
 # ---- the job every process runs ---------------------------------------------------------------
@@ -156,12 +173,39 @@ def _auto(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-
     return {}
 
 
+def _opposite(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    keys = [f"k{index}" for index in range(12)]
+    kv.init(keys, [torch.zeros(200) for _ in keys])
+    order = keys if rank == 0 else keys[::-1]  # worker 1 sends the other way round
+    for _ in range(3):
+        outs = [torch.empty(200) for _ in keys]
+        handles = [kv.pushpull(key, torch.ones(200), out=out, priority=(-i if rank == 0 else i))
+                   for i, (key, out) in enumerate(zip(order, outs))]  # fmt: skip
+        for handle in handles:
+            handle.wait(timeout=30)
+        assert all(torch.equal(out, torch.full((200,), 2.0)) for out in outs)
+    return {}
+
+
+def _launched(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    from tandem.kvstore.dist.p3 import P3KVStore
+
+    assert isinstance(kv, P3KVStore) and kv.kind == "dist_p3", type(kv)
+    return _opposite(kv, rank)
+
+
 def main(mode: str, kind: str, out: str) -> None:
     import tandem.kvstore as kvstore
-    from tandem.kvstore.dist import p3
 
-    kv = p3.connect(kind) if kind in p3.P3_KINDS else kvstore.create(kind)
-    saved = {"sums": _sums, "optimizer": _optimizer, "priority": _priority, "auto": _auto}[mode](kv, kv.rank)
+    kv = kvstore.create(kind)
+    saved = {
+        "sums": _sums,
+        "optimizer": _optimizer,
+        "priority": _priority,
+        "auto": _auto,
+        "opposite": _opposite,
+        "launched": _launched,
+    }[mode](kv, kv.rank)
     Path(out).mkdir(parents=True, exist_ok=True)
     torch.save(saved, Path(out) / f"rank{kv.rank}.pt")
     print(f"{mode} OK rank {kv.rank}")

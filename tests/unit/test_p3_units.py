@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.kvstore.dist.p3 import P3Options, RoundRobinPlacement
+from tandem.kvstore.base import Handle
+from tandem.kvstore.dist.p3 import P3Options
 from tandem.kvstore.dist.p3_queue import LanePriorityQueue
 from tandem.kvstore.dist.p3_tuner import SLICE_SIZES, WATER_MARKS, AutoTuner, Config
+from tandem.kvstore.dist.placement import RoundRobinPlacement
 from tandem.kvstore.errors import KVStoreError
 
 
@@ -118,3 +120,23 @@ def test_tuner_with_fixed_slicing_tunes_only_the_water_mark() -> None:
 
 def test_flat_costs_keep_the_start() -> None:
     assert _run_search(lambda config: 1.0).result == (40_000, 10)
+
+
+def test_done_callbacks_run_once_on_success_failure_or_at_once() -> None:
+    calls: list[tuple[str, object]] = []
+    handle = Handle("pull", parts=2)
+    handle.add_done_callback(lambda done: calls.append(("first", done.error)))
+    handle.part_done()
+    assert calls == [] and not handle.done()
+    handle.part_done()
+    handle.part_done()  # a stray extra completion must not run callbacks again
+    assert calls == [("first", None)]
+    handle.add_done_callback(lambda done: calls.append(("late", done.error)))  # already done: runs now
+    assert calls[-1] == ("late", None)
+    failing = Handle("push", parts=3)
+    failing.add_done_callback(lambda done: calls.append(("failed", type(done.error).__name__)))
+    failing.fail(KVStoreError("server 1 is gone"))
+    failing.fail(KVStoreError("again"))
+    assert calls[-1] == ("failed", "KVStoreError") and len(calls) == 3
+    with pytest.raises(KVStoreError, match="gone"):
+        failing.wait(timeout=1)
