@@ -8,9 +8,11 @@ Three modes, selectable for comparison (``Trainer(..., communication=...)``):
     input first), a cap on slices in flight.
 In ``overlap`` and ``p3`` the next forward starts each segment as soon as the parameters *it* reads
 are back: before pushing a forward segment, the executor's gate waits for those parameters' replies
-and pushes one engine op per parameter that writes it (its engine var). The engine orders that write
-after this step's backward segments that still read the parameter, and before the next forward's
-segments that read it; segments whose parameters are not back yet simply are not pushed yet.
+and pushes one engine op per parameter that writes it (its engine var; a tied parameter goes by its
+first name). The engine runs that write before the forward segments that read the parameter, while
+earlier segments already run; segments whose parameters are not back yet are not pushed yet. Writes
+are only pushed from the next step's gates, after the executor waited for every segment of this
+step, so no backward segment (which reads forward-made views of the weights) sees a new value.
 """
 
 from __future__ import annotations

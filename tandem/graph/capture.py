@@ -247,6 +247,7 @@ def _to_train_graph(graph_module: Any, signature: Any, batch: Sequence[torch.Ten
         buffer_updates={_strip(b): by_name[n] for n, b in signature.buffers_to_mutate.items()},
     )
     _merge_tied_gradients(train_graph, aliases)
+    train_graph.aliases = {other: first for first, names in aliases.items() for other in names[1:]}
     _drop_detach(graph)
     _record_module_paths(graph)
     train_graph.set_outputs()

@@ -55,6 +55,11 @@ class TrainGraph:
     buffer_updates: dict[str, fx.Node]  # buffer name -> node holding its new value
     notes: dict[str, Any] = field(default_factory=dict)  # what passes decided (policy, budgets, ...)
     model_output: fx.Node | None = None  # inference graphs: the module's own output (logits)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied parameter's other name -> its first name
+
+    def canonical(self, param_name: str) -> str:
+        """The name a parameter's gradient, engine var and kvstore key go by (first of tied names)."""
+        return self.aliases.get(param_name, param_name)
 
     @property
     def inference(self) -> bool:
@@ -114,6 +119,7 @@ class TrainGraph:
             buffer_updates={k: mapping[v] for k, v in self.buffer_updates.items()},
             notes=copy.deepcopy(self.notes),
             model_output=mapping[self.model_output] if self.model_output is not None else None,
+            aliases=dict(self.aliases),
         )
         for old, new in mapping.items():
             new.meta = dict(old.meta)

@@ -36,3 +36,23 @@ def test_two_workers_equal_one_process(kind: str, mode: str, update_on_kvstore: 
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for name, value in expected.items():
             torch.testing.assert_close(result[name], value.detach(), rtol=1e-9, atol=1e-11, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize("model", ["resnet", "lstm_lm"])
+def test_baseline_overlap_and_p3_give_the_same_parameters(model: str, tmp_path: Path) -> None:
+    """Sync mode: how gradients travel (all at once, per segment, sliced by priority) must not change the result."""
+    steps, runs = 10, [("dist_sync", "baseline", "1"), ("dist_sync", "overlap", "1"), ("dist_p3", "p3", "1"),
+                       ("dist_p3", "p3", "0")]  # fmt: skip
+    results = []
+    for kind, mode, update_on_kvstore in runs:
+        out = tmp_path / f"{mode}-{update_on_kvstore}"
+        out.mkdir()
+        env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "100"}  # many slices, most of them not a multiple of the size
+        run_job("trainer_modes.py", 2, 2, kind, mode, update_on_kvstore, str(out), str(steps), model, env=env)
+        results.append(torch.load(out / "rank0.pt", weights_only=True))
+    baseline = results[0]
+    moved = single_process(model, 0)
+    assert any(not torch.equal(baseline[n], moved[n].detach()) for n in baseline), "training changed the parameters"
+    for (kind, mode, update), result in zip(runs[1:], results[1:]):
+        for name, value in baseline.items():
+            torch.testing.assert_close(result[name], value, rtol=1e-9, atol=1e-11, msg=f"{mode} ({kind}, update_on_kvstore={update}) {name}")

@@ -110,3 +110,12 @@ def test_naive_and_threaded_engines_agree() -> None:
     assert torch.equal(results[0].loss, results[1].loss)
     for name in results[0].grads:
         assert torch.equal(results[0].grads[name], results[1].grads[name]), name
+
+
+def test_segments_name_tied_parameters_by_their_first_name() -> None:
+    module, loss_fn, batch = zoo_case("lstm_lm", torch.float32)
+    step = tandem.compile(module, loss_fn, *batch, bulk_fwd=2, bulk_bwd=2)
+    assert step.graph.aliases == {"decoder.weight": "embedding.weight"}
+    readers = [s.index for s in step.executor.segments if "embedding.weight" in s.parameters and s.phase == "forward"]
+    assert all("decoder.weight" not in s.parameters for s in step.executor.segments)
+    assert len(readers) >= 2, "the embedding lookup and the decoder both wait for the tied weight"
