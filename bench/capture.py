@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", default=",".join(CASES))
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: perf_counter; cpu: process CPU time of all threads (robust on a loaded machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows, ratios = [], []
@@ -49,13 +52,15 @@ def main() -> None:
         step = tandem.compile(module, entry.loss_fn, *batch)
 
         medians = interleaved_medians({"eager": partial(eager_step, eager_module, entry.loss_fn, batch),
-                                       "tandem": partial(step, *batch)}, repeats=args.repeats)
+                                       "tandem": partial(step, *batch)}, repeats=args.repeats,
+                                      clock=time.process_time if args.clock == "cpu" else time.perf_counter)
         ratio = medians["tandem"] / medians["eager"]
         ratios.append(ratio)
         rows.append([name, batch_size, len(step.graph.op_nodes()), medians["eager"] * 1e3, medians["tandem"] * 1e3, ratio])
         print(f"{name}: eager {medians['eager'] * 1e3:.2f} ms, tandem {medians['tandem'] * 1e3:.2f} ms, ratio {ratio:.3f}")
     table = markdown_table(["model", "batch", "graph nodes", "eager ms (median)", "tandem ms (median)", "tandem / eager"], rows)
-    print(f"\nCommand: `{command_line()}` (torch threads: {args.threads}, {args.repeats} interleaved rounds)\n")
+    print(f"\nCommand: `{command_line()}` (torch threads: {args.threads}, {args.repeats} interleaved rounds, "
+          f"{args.clock} clock)\n")
     print(table)
     write_report("capture", table)
     bar_plot("capture", "captured step time / eager step time (lower is better)", [r[0] for r in rows],
