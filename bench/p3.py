@@ -48,7 +48,7 @@ KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3"}
 RATES = ("100mbit", "1gbit", "none")
 WORKERS, SERVERS = 2, 2
 WARMUP_STEPS = 3
-AUTO_WARMUP_STEPS = 40  # enough iterations for the tuner's search (typically 20-30)
+AUTO_WARMUP_STEPS = 45  # enough iterations for the tuner (6 warm-up + typically 20-30 searching)
 JOB_TIMEOUT = 300
 MARK = "P3BENCH "
 
@@ -111,9 +111,8 @@ def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
     seconds = _timed_runs({"seconds": (lambda: trainer.step(*batch), distributed.flush),
                            "compute": (lambda: local.step(*batch), lambda: None)}, runs, steps)  # fmt: skip
     store = distributed.store
-    extra = (
-        {"tuned": list(store.tuner.result)} if getattr(store, "tuner", None) and store.tuner.result else {}
-    )
+    tuner = getattr(store, "tuner", None)
+    extra = {"tuned": tuner.result, "history": tuner.history} if tuner is not None and tuner.result else {}
     _report(rank=store.rank, parameters=sum(p.numel() for p in module.parameters()), **seconds, **extra)
     trainer.close()
 

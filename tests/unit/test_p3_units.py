@@ -140,3 +140,10 @@ def test_done_callbacks_run_once_on_success_failure_or_at_once() -> None:
     assert calls[-1] == ("failed", "KVStoreError") and len(calls) == 3
     with pytest.raises(KVStoreError, match="gone"):
         failing.wait(timeout=1)
+
+
+def test_slicing_can_only_be_fixed_before_the_search() -> None:
+    tuner = _run_search(lambda config: 1.0)
+    assert not tuner.slicing_fixed
+    with pytest.raises(RuntimeError, match="before tuning starts"):
+        tuner.fix_slice_size()

@@ -100,9 +100,9 @@ class P3KVStore(DistKVStore):
         self.sender.slice_size, self.sender.water_mark = config
 
     def _agree(self, cost: float) -> float:
-        """The mean of ``cost`` over workers (sync rounds sum the pushes)."""
-        if not self.options.sync:
-            return cost
+        """The mean of ``cost`` over workers (sync rounds without an optimizer sum the pushes)."""
+        if not self.options.sync or self.tuner is None or self.tuner.slicing_fixed:
+            return cost  # only the water mark is searched: a per-worker choice
         value, out = torch.tensor([cost], dtype=torch.float64), torch.empty(1, dtype=torch.float64)
         super()._send_tensors(Command.PUSHPULL, [(TUNER_KEY, value, [out])], URGENT, "p3 tuner").wait()
         return out.item() / self.num_workers
@@ -135,7 +135,12 @@ class P3KVStore(DistKVStore):
     def set_optimizer(self, optimizer: Any) -> None:
         """As ``DistKVStore``'s; an auto-tuned store then keeps its slicing (servers now hold state per slice)."""
         if self.tuner is not None:
-            self.tuner.fix_slice_size()
+            try:
+                self.tuner.fix_slice_size()
+            except RuntimeError:
+                raise KVStoreError(
+                    "with slice_size='auto', call set_optimizer before the first push"
+                ) from None
         super().set_optimizer(optimizer)
 
 

@@ -10,7 +10,8 @@ point runs ``steps_per_trial`` iterations and scores the median of all but the f
 carries traffic of the previous point). Typically 5-7 points, i.e. 20-30 iterations, then fixed.
 
 Every worker must slice the same way, so each score is averaged over workers (``agree``) before
-the search takes a step: all workers then walk the same path.
+the search takes a step: all workers then walk the same path. The water mark is per worker: when
+only it is searched, each worker scores its own iterations.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ class AutoTuner:
     water_marks: tuple[int, ...] = WATER_MARKS
     start: Config = (DEFAULT_SLICE_SIZE, 10)
     steps_per_trial: int = 4
-    warmup: int = 2
+    warmup: int = (
+        6  # the first iterations run slow (allocations, caches): they must not score the start point
+    )
     tolerance: float = 0.03
     clock: Callable[[], float] = time.perf_counter
     history: list[tuple[Config, float]] = field(default_factory=list)  # (point, agreed cost in seconds)
@@ -89,10 +92,21 @@ class AutoTuner:
         return self._current or self.start
 
     def fix_slice_size(self) -> None:
-        """Tune only the water mark (server-side optimizers and async mode cannot change slicing)."""
-        if self._search is None:
-            self.slice_sizes = (self.current[0],)
-            self.start = (self.current[0], self.start[1])
+        """Tune only the water mark (server-side optimizers and async mode cannot change slicing).
+
+        Must come before the search starts: the workers' paths would differ otherwise.
+        """
+        if self._search is not None:
+            raise RuntimeError(
+                "the slice size can only be fixed before tuning starts (before the first pushes)"
+            )
+        self.slice_sizes = (self.current[0],)
+        self.start = (self.current[0], self.start[1])
+
+    @property
+    def slicing_fixed(self) -> bool:
+        """Only the water mark is searched: it is per worker, so scores need no agreement."""
+        return len(self.slice_sizes) == 1
 
     def observe(self, key: object) -> None:
         """Call before each push: the second push of the first key pushed ends an iteration."""
