@@ -107,10 +107,9 @@ def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
     # the same step without communication, interleaved: compute time under the same load, side by side
     local_module, *_ = _model(model)
     local = Trainer(local_module, loss_fn, tandem.optim.SGD(lr=0.01, momentum=0.9), progress=False)
-    distributed = trainer._distributed
-    seconds = _timed_runs({"seconds": (lambda: trainer.step(*batch), distributed.flush),
+    seconds = _timed_runs({"seconds": (lambda: trainer.step(*batch), trainer.sync),
                            "compute": (lambda: local.step(*batch), lambda: None)}, runs, steps)  # fmt: skip
-    store = distributed.store
+    store = trainer.kvstore
     tuner = getattr(store, "tuner", None)
     extra = {"tuned": tuner.result, "history": tuner.history} if tuner is not None and tuner.result else {}
     _report(rank=store.rank, parameters=sum(p.numel() for p in module.parameters()), **seconds, **extra)

@@ -102,7 +102,7 @@ def train(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     trainer = Trainer(module, entry.loss_fn, _optimizer(args), **options)
-    rank = trainer._distributed.rank if trainer._distributed is not None else 0
+    rank = trainer.rank
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parameters = sum(p.numel() for p in module.parameters())

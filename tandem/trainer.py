@@ -104,6 +104,20 @@ class Trainer:
         return self._train_step
 
     @property
+    def rank(self) -> int:
+        """This worker's rank in a distributed job (0 when training alone)."""
+        return self._distributed.rank if self._distributed is not None else 0
+
+    @property
+    def num_workers(self) -> int:
+        return self._distributed.num_workers if self._distributed is not None else 1
+
+    @property
+    def kvstore(self) -> Any:
+        """The distributed KVStore this trainer talks to, or None when training alone."""
+        return self._distributed.store if self._distributed is not None else None
+
+    @property
     def train_step(self) -> TrainStep:
         if self._train_step is None:
             raise RuntimeError("the step is captured on the first Trainer.step(*batch); call it first")

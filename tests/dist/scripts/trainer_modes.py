@@ -21,7 +21,7 @@ module = entry.build(**entry.tiny).double()
 batch = entry.make_batch(8, torch.Generator().manual_seed(1), dtype=torch.float64, **entry.tiny)
 trainer = tandem.Trainer(module, entry.loss_fn, optim.SGD(lr=0.1, momentum=0.9), kvstore=kind, communication=mode,
                          update_on_kvstore=update_on_kvstore == "1", bulk_fwd=3, bulk_bwd=2)
-rank, workers = trainer._distributed.rank, trainer._distributed.num_workers
+rank, workers = trainer.rank, trainer.num_workers
 rows = slice(rank * 8 // workers, (rank + 1) * 8 // workers)
 for _ in range(int(steps)):
     trainer.step(*(t[rows] for t in batch))
