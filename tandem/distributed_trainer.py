@@ -66,6 +66,7 @@ class DistributedUpdate:
         self._vars: dict[str, Any] = {}
         self._priority: dict[str, int] = {}
         self._attached: set[int] = set()
+        self._in_backward = False  # the gate has reached this step's backward segments
 
     @property
     def rank(self) -> int:
@@ -118,7 +119,17 @@ class DistributedUpdate:
         if segment is None:  # everything, and wait until written (a measured run bypasses the engine)
             self.flush()
             return
-        names = segment.parameters if segment.phase == Phase.FORWARD else list(self._pending)
+        if segment.phase == Phase.FORWARD:
+            self._in_backward = False
+            names = segment.parameters
+        elif not self._in_backward:
+            # The first backward segment: settle the previous step's replies no forward segment read.
+            # Only here: once backward segments run, their hooks add *this* step's gradients to
+            # _pending, and applying those mid-backward would change weights backward still reads.
+            self._in_backward = True
+            names = list(self._pending)
+        else:
+            return
         for name in names:
             if name in self._pending:
                 self._apply(name)
