@@ -86,8 +86,7 @@ def main() -> None:
         start = time.perf_counter()
         captured = capture(module, entry.loss_fn, batch)
         print(f"{title}: captured {len(captured.op_nodes())} nodes in {time.perf_counter() - start:.1f}s")
-        inputs = ([dict(module.named_parameters(remove_duplicate=False))[n] for n in captured.param_names]
-                  + [dict(module.named_buffers())[n] for n in captured.buffer_names] + list(batch))
+        inputs = captured.inputs(module, batch)
         candidates, counts = {}, {}
         for setting, forward, backward in settings():
             executor = Executor(plan(captured.clone(), StepConfig(bulk_fwd=forward, bulk_bwd=backward)))

@@ -81,10 +81,8 @@ class TrainStep:
     # -- public ------------------------------------------------------------------------------
     def __call__(self, *batch: torch.Tensor) -> Any:
         compiled = self._for_batch(batch)
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        buffers = dict(self.module.named_buffers(remove_duplicate=False))
         graph = compiled.graph
-        inputs = [params[n] for n in graph.param_names] + [buffers[n] for n in graph.buffer_names] + list(batch)
+        inputs = graph.inputs(self.module, batch)
         if compiled.memory is None or self.config.measure_memory:
             if self.gate is not None:
                 self.gate(None)  # the measuring interpreter bypasses the engine: every parameter must be final
@@ -92,7 +90,7 @@ class TrainStep:
         else:
             outputs = compiled.executor.run(inputs, parameter_vars=self.parameter_vars, gate=self.gate)
         self._last = compiled
-        return self._unpack(graph, outputs, buffers)
+        return self._unpack(graph, outputs)
 
     def memory_report(self) -> dict[str, Any]:
         """Measured memory of the most recent measured step (the first step is always measured)."""
@@ -153,10 +151,11 @@ class TrainStep:
     def _trace(self, batch: Sequence[torch.Tensor]) -> TrainGraph:
         return capture(self.module, self.loss_fn, batch)
 
-    def _unpack(self, graph: TrainGraph, outputs: list[Any], buffers: dict[str, torch.Tensor]) -> Any:
+    def _unpack(self, graph: TrainGraph, outputs: list[Any]) -> Any:
         loss = outputs[0]
         count = len(graph.grads)
         grads = dict(zip(graph.grads, outputs[1 : 1 + count]))
+        buffers = dict(self.module.named_buffers(remove_duplicate=False))
         with torch.no_grad():
             for name, value in zip(graph.buffer_updates, outputs[1 + count :]):
                 buffers[name].copy_(value)  # BatchNorm running stats: written back like eager
@@ -178,7 +177,7 @@ class EvalStep(TrainStep):
     def _trace(self, batch: Sequence[torch.Tensor]) -> TrainGraph:
         return capture_inference(self.module, self.loss_fn, batch)
 
-    def _unpack(self, graph: TrainGraph, outputs: list[Any], buffers: dict[str, torch.Tensor]) -> Any:
+    def _unpack(self, graph: TrainGraph, outputs: list[Any]) -> Any:
         return EvalResult(loss=outputs[0], output=outputs[-1])
 
 

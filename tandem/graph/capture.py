@@ -91,26 +91,7 @@ def capture_inference(module: nn.Module, loss_fn: LossFn, batch: Sequence[torch.
                 raise _explain(error, stack) from error
     finally:
         module.train(was_training)
-    graph: fx.Graph = graph_module.graph  # type: ignore[union-attr]
-    by_name = {n.name: n for n in graph.nodes}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    train_graph = TrainGraph(
-        graph=graph,
-        param_names=[_strip(signature.inputs_to_parameters[n.name]) for n in placeholders if n.name in signature.inputs_to_parameters],
-        buffer_names=[_strip(signature.inputs_to_buffers[n.name]) for n in placeholders if n.name in signature.inputs_to_buffers],
-        input_specs=[TensorSpec.of(t) for t in batch],
-        loss=by_name[signature.user_outputs[0]],
-        grads={},
-        buffer_updates={},
-        model_output=by_name[signature.user_outputs[1]],
-    )
-    _drop_detach(graph)
-    train_graph.set_outputs()
-    graph.eliminate_dead_code()
-    for node in train_graph.op_nodes():
-        node.meta[MetaKey.PHASE] = Phase.FORWARD
-    graph.lint()
-    return train_graph
+    return _to_train_graph(graph_module, signature, batch, _alias_groups(module), inference=True)
 
 
 class _UnusedParameter(Exception):
@@ -230,13 +211,15 @@ def _explain(error: Exception, stack: list[str]) -> CaptureError:
 
 
 def _to_train_graph(graph_module: Any, signature: Any, batch: Sequence[torch.Tensor],
-                    aliases: dict[str, list[str]]) -> TrainGraph:
+                    aliases: dict[str, list[str]], inference: bool = False) -> TrainGraph:
+    """Name the exported graph's placeholders and outputs; inference graphs also output the module's result."""
     graph: fx.Graph = graph_module.graph
     by_name = {n.name: n for n in graph.nodes}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     param_names = [signature.inputs_to_parameters[n.name] for n in placeholders if n.name in signature.inputs_to_parameters]
     buffer_names = [signature.inputs_to_buffers[n.name] for n in placeholders if n.name in signature.inputs_to_buffers]
-    grads = {p: by_name[n] for n, p in signature.backward_signature.gradients_to_parameters.items()}
+    backward = signature.backward_signature
+    grads = {p: by_name[n] for n, p in backward.gradients_to_parameters.items()} if backward is not None else {}
     train_graph = TrainGraph(
         graph=graph,
         param_names=[_strip(n) for n in param_names],
@@ -245,6 +228,7 @@ def _to_train_graph(graph_module: Any, signature: Any, batch: Sequence[torch.Ten
         loss=by_name[signature.user_outputs[0]],
         grads={_strip(p): grads[p] for p in param_names if p in grads},
         buffer_updates={_strip(b): by_name[n] for n, b in signature.buffers_to_mutate.items()},
+        model_output=by_name[signature.user_outputs[1]] if inference else None,
     )
     _merge_tied_gradients(train_graph, aliases)
     train_graph.aliases = {other: first for first, names in aliases.items() for other in names[1:]}
@@ -304,11 +288,13 @@ def _record_module_paths(graph: fx.Graph) -> None:
 def order_by_phase(train_graph: TrainGraph) -> TrainGraph:
     """Mark each node forward or backward and put all forward nodes first (stable order).
 
-    Forward is what the loss and the buffer updates need; everything else serves the gradients.
+    Forward is what the loss, the buffer updates (and an inference graph's module output) need;
+    everything else serves the gradients.
     """
     graph = train_graph.graph
     forward: set[fx.Node] = set()
-    pending = [train_graph.loss, *train_graph.buffer_updates.values()]
+    extra = [train_graph.model_output] if train_graph.model_output is not None else []
+    pending = [train_graph.loss, *train_graph.buffer_updates.values(), *extra]
     while pending:
         node = pending.pop()
         if node in forward or node.op == "placeholder":

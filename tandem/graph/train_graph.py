@@ -9,6 +9,7 @@ reorder or add nodes; graph order is execution order.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,13 @@ class TrainGraph:
     def op_nodes(self) -> list[fx.Node]:
         """Nodes that run an op (not placeholders, not the output)."""
         return [n for n in self.graph.nodes if n.op == "call_function"]
+
+    def inputs(self, module: torch.nn.Module, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The graph's inputs in placeholder order: parameters (a tied one under each of its names),
+        buffers, then the batch."""
+        params = dict(module.named_parameters(remove_duplicate=False))
+        buffers = dict(module.named_buffers(remove_duplicate=False))
+        return [params[n] for n in self.param_names] + [buffers[n] for n in self.buffer_names] + list(batch)
 
     def phase_of(self, node: fx.Node) -> str:
         return node.meta.get(MetaKey.PHASE, Phase.FORWARD)

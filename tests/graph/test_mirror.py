@@ -47,11 +47,8 @@ class Case:
 @functools.cache
 def case(name: str) -> Case:
     module, loss_fn, batch = zoo_case(name, batch_size=8)
-    params = dict(module.named_parameters(remove_duplicate=False))
-    buffers = dict(module.named_buffers(remove_duplicate=False))
     graph = capture(module, loss_fn, batch)
-    inputs = [params[n] for n in graph.param_names] + [buffers[n] for n in graph.buffer_names] + list(batch)
-    return Case(graph, inputs)
+    return Case(graph, graph.inputs(module, batch))
 
 
 def planned_run(name: str, policy: object) -> tuple[TrainGraph, list[torch.Tensor], int]:
