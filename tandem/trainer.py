@@ -137,12 +137,9 @@ class Trainer:
         for var in self._vars.values():
             self._engine.wait(var)
 
+    @torch.no_grad()
     def _update_some(self, names: list[str], grads: dict[str, torch.Tensor]) -> None:
         """Clip and apply the optimizer to ``names`` in one fused call (all of them, or one layer)."""
-        with torch.no_grad():
-            self._update_now(names, grads)
-
-    def _update_now(self, names: list[str], grads: dict[str, torch.Tensor]) -> None:
         if self.config.clip_grad_norm is not None:
             from tandem.ops import clip_global_norm
 
