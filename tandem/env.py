@@ -31,6 +31,8 @@ _declare("TANDEM_ENGINE", str, "threaded", "dependency engine: 'threaded' or 'na
 _declare("TANDEM_ENGINE_COMPUTE_THREADS", int, 1, "worker threads of the threaded engine's compute pool")
 _declare("TANDEM_ENGINE_IO_THREADS", int, 2, "worker threads of the threaded engine's communication/IO pool")
 _declare("TANDEM_ENGINE_TIMEOUT", float, 300.0, "seconds any engine wait may block before it raises")
+_declare("TANDEM_RETAIN_HOST_MEMORY", bool, True,
+         "keep memory freed by a step for the next one (glibc malloc: no trimming, 32 MiB mmap threshold)")
 _declare("TANDEM_TRACE", str, "", "write a Chrome/Perfetto trace of every engine op to this path")
 # bulking
 _declare("TANDEM_BULK_TRAIN", bool, True, "bulk training graphs into segments (0: one engine op per node)")

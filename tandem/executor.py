@@ -244,6 +244,11 @@ def _materialize(node: fx.Node, slots: list[Any], slot_of: dict[fx.Node, int]) -
 # -- code generation ---------------------------------------------------------------------------
 
 
+def _direct_callable(target: Any) -> Any:
+    """An aten OpOverload's C++ entry point: calling it skips one Python frame (~0.3 us) per node."""
+    return getattr(target, "_op", target) if isinstance(target, torch._ops.OpOverload) else target
+
+
 def _generate(segment: Segment, slot_of: dict[fx.Node, int]) -> Callable[[list[Any]], None]:
     """Straight-line Python for one segment: ``v[7] = aten_add(v[3], v[5]); v[3] = None``."""
     constants: dict[str, Any] = {}
@@ -273,7 +278,7 @@ def _generate(segment: Segment, slot_of: dict[fx.Node, int]) -> Callable[[list[A
         if node.target is operator.getitem:
             call = f"{args[0]}[{args[1]}]"
         else:
-            call = f"{constant(node.target)}({', '.join(args)})"
+            call = f"{constant(_direct_callable(node.target))}({', '.join(args)})"
         lines.append(f"    v[{instruction.slot}] = {call}  # {node.name}")
         lines.extend(f"    v[{slot}] = None" for slot in instruction.frees)
     lines.append("    return None")

@@ -6,6 +6,7 @@ import os
 import threading
 
 from tandem.engine.base import Engine
+from tandem.engine.host_memory import retain_freed_host_memory
 from tandem.engine.naive import NaiveEngine
 from tandem.engine.threaded import ThreadedEngine
 from tandem.env import knob
@@ -30,6 +31,7 @@ def _create() -> Engine:
             kind = knob("TANDEM_ENGINE")
             if kind not in _KINDS:
                 raise ValueError(f"TANDEM_ENGINE={kind!r} is not an engine kind; use one of {sorted(_KINDS)}")
+            retain_freed_host_memory()  # before the first step allocates: see host_memory.py
             _engine = _KINDS[kind]()
         return _engine
 
