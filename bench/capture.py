@@ -1,12 +1,16 @@
 """Captured step time over eager PyTorch step time (forward + loss + backward), side by side.
 
-    python bench/capture.py [--repeats 7] [--threads 1]
+    python bench/capture.py [--repeats 7] [--threads 1] [--clock wall|cpu]
+
+Also counts minor page faults per step: with TANDEM_RETAIN_HOST_MEMORY=0 (glibc's default malloc
+thresholds) steps fault their freed activation memory back in; see tandem/engine/host_memory.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import sys
 import time
 from functools import partial
@@ -32,6 +36,14 @@ def eager_step(module: torch.nn.Module, loss_fn, batch) -> None:
     loss_fn(module, *batch).backward()
 
 
+def faults_per_call(fn, calls: int = 3) -> float:
+    """Minor page faults per call: memory the allocator gave back to the OS and the step touched again."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=7)
@@ -51,14 +63,17 @@ def main() -> None:
         batch = entry.make_batch(batch_size, torch.Generator().manual_seed(0), **config, **batch_config)
         step = tandem.compile(module, entry.loss_fn, *batch)
 
-        medians = interleaved_medians({"eager": partial(eager_step, eager_module, entry.loss_fn, batch),
-                                       "tandem": partial(step, *batch)}, repeats=args.repeats,
+        candidates = {"eager": partial(eager_step, eager_module, entry.loss_fn, batch), "tandem": partial(step, *batch)}
+        medians = interleaved_medians(candidates, repeats=args.repeats,
                                       clock=time.process_time if args.clock == "cpu" else time.perf_counter)
+        faults = {label: faults_per_call(fn) for label, fn in candidates.items()}
         ratio = medians["tandem"] / medians["eager"]
         ratios.append(ratio)
-        rows.append([name, batch_size, len(step.graph.op_nodes()), medians["eager"] * 1e3, medians["tandem"] * 1e3, ratio])
+        rows.append([name, batch_size, len(step.graph.op_nodes()), medians["eager"] * 1e3, medians["tandem"] * 1e3, ratio,
+                     round(faults["eager"]), round(faults["tandem"])])
         print(f"{name}: eager {medians['eager'] * 1e3:.2f} ms, tandem {medians['tandem'] * 1e3:.2f} ms, ratio {ratio:.3f}")
-    table = markdown_table(["model", "batch", "graph nodes", "eager ms (median)", "tandem ms (median)", "tandem / eager"], rows)
+    table = markdown_table(["model", "batch", "graph nodes", "eager ms (median)", "tandem ms (median)", "tandem / eager",
+                            "eager page faults / step", "tandem page faults / step"], rows)
     print(f"\nCommand: `{command_line()}` (torch threads: {args.threads}, {args.repeats} interleaved rounds, "
           f"{args.clock} clock)\n")
     print(table)
