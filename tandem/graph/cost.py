@@ -130,6 +130,31 @@ def is_batch_norm_statistic(node: fx.Node) -> bool:
     return isinstance(source, fx.Node) and is_training_batch_norm(source) and bool(node.args[1] != 0)
 
 
+def dropout_replay(node: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
+    """(input, mask, scale) when ``node`` is a training dropout's output that its kept mask replays.
+
+    Dropout's output is ``input * mask * scale`` once the mask is drawn, so a recompute that reads
+    the saved mask replays the RNG exactly without drawing again; ``native_dropout_backward`` with
+    the input as its "gradient" computes exactly that (bit-equal to the forward output on CPU).
+    """
+    tuple_node = node.args[0] if node.target is operator.getitem and node.args[1] == 0 else None
+    if not isinstance(tuple_node, fx.Node) or tuple_node.target is not aten.native_dropout.default:
+        return None
+    source, probability, train = tuple_node.args
+    mask = next((u for u in tuple_node.users if u.target is operator.getitem and u.args[1] == 1), None)
+    if not train or not isinstance(source, fx.Node) or not isinstance(probability, float | int) or mask is None:
+        return None
+    scale = 0.0 if probability >= 1 else 1.0 / (1.0 - probability)  # autograd's scale for native_dropout
+    return source, mask, scale
+
+
+def recompute_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes a recompute of ``node`` reads: its inputs, or for a replayed dropout its input
+    (the mask it also reads is kept for the dropout's own backward)."""
+    replay = dropout_replay(node)
+    return [replay[0]] if replay is not None else list(node.all_input_nodes)
+
+
 def alias_source(node: fx.Node) -> fx.Node | None:
     """The input whose storage this node's output shares (a view), or None for a fresh output.
 
@@ -176,6 +201,8 @@ def storage_root(node: fx.Node) -> fx.Node:
 
 def flops(node: fx.Node) -> int:
     """Approximate floating-point operations of one run of ``node`` (0 for views and getitems)."""
+    if dropout_replay(node) is not None:
+        return 2 * _elements(node)  # its recompute: input * mask * scale
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return 0
     target = node.target

@@ -55,7 +55,12 @@ class ForwardView:
 
     def forward_inputs(self, node: fx.Node) -> list[fx.Node]:
         """Inputs that are forward op values a recompute would need (free ones excluded)."""
-        return [a for a in node.all_input_nodes if a.op == "call_function" and a not in self.free]
+        return [a for a in cost.recompute_inputs(node) if a.op == "call_function" and a not in self.free]
+
+    def is_replayable_dropout(self, node: fx.Node) -> bool:
+        """A dropout output that a recompute can replay from a mask the backward keeps anyway."""
+        replay = cost.dropout_replay(node)
+        return replay is not None and replay[1] in self.needed
 
     def bytes_of(self, nodes: set[fx.Node] | list[fx.Node]) -> int:
         """Bytes of the distinct storages the given values keep alive."""

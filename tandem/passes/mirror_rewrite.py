@@ -104,7 +104,7 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
     def chain_length(value: fx.Node) -> int:
         """How many mirrored values a recompute of ``value`` runs through (graph order: inputs first)."""
         if value not in lengths:
-            inputs = [chain_length(a) for a in value.all_input_nodes if a.name in mirrored]
+            inputs = [chain_length(a) for a in cost.recompute_inputs(value) if a.name in mirrored]
             lengths[value] = 1 + max(inputs, default=0)
         return lengths[value]
 
@@ -117,10 +117,11 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
         if held is not None and held[1] >= here:
             return held[0]
         # Deepest input chain first (Sethi-Ullman): a cheap input computed early would wait, alive, for it.
-        sources = sorted((a for a in value.all_input_nodes if a.name in mirrored), key=chain_length, reverse=True)
+        sources = sorted((a for a in cost.recompute_inputs(value) if a.name in mirrored), key=chain_length, reverse=True)
         inputs = {a: copy_of(a, reader, memo, depth + 1) for a in sources}
         with graph.graph.inserting_before(reader):
-            made = _replay_batch_norm(graph, value, inputs) or [graph.graph.node_copy(value, lambda a: inputs.get(a, a))]
+            made = (_replay_batch_norm(graph, value, inputs) or _replay_dropout(graph, value, inputs)
+                    or [graph.graph.node_copy(value, lambda a: inputs.get(a, a))])
         copy = made[-1]
         for node in made:
             node.meta = {**node.meta, MetaKey.PHASE: Phase.BACKWARD, MetaKey.RECOMPUTE_OF: value.name}
@@ -168,3 +169,15 @@ def _replay_batch_norm(graph: TrainGraph, value: fx.Node, inputs: dict[fx.Node, 
     output = value.meta.get("val")
     replay.meta = {**value.meta, "val": (output[0], None, None) if isinstance(output, tuple | list) else output}
     return [squared, reciprocal, variance, replay]
+
+
+def _replay_dropout(graph: TrainGraph, value: fx.Node, inputs: dict[fx.Node, fx.Node]) -> list[fx.Node] | None:
+    """Recompute a training dropout's output from its kept mask: ``input * mask * scale``, no new draw."""
+    replay = cost.dropout_replay(value)
+    if replay is None:
+        return None
+    source, mask, scale = replay
+    node = graph.graph.call_function(torch.ops.aten.native_dropout_backward.default,
+                                     (inputs.get(source, source), mask, scale))
+    node.meta = dict(value.meta)
+    return [node]

@@ -20,10 +20,13 @@ TINY_BYTES = 4096  # values this small (BN/LN statistics) are kept: re-running a
 
 
 def rerunnable(view: ForwardView, expensive_ok: bool) -> Recomputable:
-    """The candidate filter: never random ops, never free values; expensive ops only if allowed."""
+    """The candidate filter: never random ops (a dropout output replayed from its kept mask is not
+    random), never free values; expensive ops only if allowed."""
 
     def check(node: fx.Node) -> bool:
         op = _producer(node)
+        if view.is_replayable_dropout(node):
+            return node not in view.free
         if node in view.free or cost.is_random(op) or cost.is_batch_norm_statistic(node):
             return False  # BN statistics are kept: a BN copy replays y from them (see mirror_rewrite)
         return expensive_ok or not cost.is_expensive(op)
@@ -110,7 +113,7 @@ def _frontier_groups(view: ForwardView, mirrored: set[fx.Node]) -> list[set[fx.N
         if node in mirrored and all(a in constant for a in view.forward_inputs(node)):
             constant.add(node)
     frontier = [n for n in view.forward if n in mirrored and n not in constant
-                and not any(a in mirrored and a not in constant for a in n.all_input_nodes)]
+                and not any(a in mirrored and a not in constant for a in cost.recompute_inputs(n))]
     parent = {n: n for n in frontier}
 
     def find(node: fx.Node) -> fx.Node:
@@ -138,7 +141,7 @@ def prune(view: ForwardView, mirrored: set[fx.Node]) -> set[fx.Node]:
     values that neither the backward nor another recompute reads."""
     mirrored = {n for n in mirrored if not (n in view.needed and view.bytes_of([n]) <= TINY_BYTES)}
     while True:
-        used = {a for n in mirrored for a in n.all_input_nodes}
+        used = {a for n in mirrored for a in cost.recompute_inputs(n)}
         # A view of a kept value costs no bytes either way: recomputing it gains nothing.
         keep = {n for n in mirrored if (n in view.needed or n in used) and not _views_kept(n, mirrored)}
         if keep == mirrored:
@@ -175,11 +178,10 @@ def min_cut(view: ForwardView, bytes_per_flop: float) -> set[fx.Node]:
         flow.add_edge(inner, outer, capacity=keep_cost)
         rerun_cost = bytes_per_flop * cost.flops(node) + 1e-3 if can_rerun(node) else _INFINITE
         flow.add_edge("source", inner, capacity=rerun_cost)
-        for user in node.users:
-            if view.is_backward(user):
-                flow.add_edge(outer, "sink", capacity=_INFINITE)
-            elif user.op == "call_function" and user not in view.free:
-                flow.add_edge(outer, ("in", user.name), capacity=_INFINITE)
+        if any(view.is_backward(user) for user in node.users):
+            flow.add_edge(outer, "sink", capacity=_INFINITE)
+        for source in view.forward_inputs(node):  # a recompute of node needs these (kept or recomputed)
+            flow.add_edge(("out", source.name), inner, capacity=_INFINITE)
     if "sink" not in flow:
         return set()
     _, (_, sink_side) = nx.minimum_cut(flow, "source", "sink")

@@ -25,6 +25,7 @@ from tests.conftest import twin, zoo_case
 POLICIES = ["all", "sqrt", "memory-aware", 0.6]
 EXACT = dict(rtol=1e-7, atol=1e-10)
 aten = torch.ops.aten
+DROPOUT_REPLAY = aten.native_dropout_backward.default  # input * kept mask * scale: no new random draw
 BN_REPLAY = {aten._native_batch_norm_legit_no_training.default, aten.mul.Tensor, aten.reciprocal.default, aten.sub.Tensor}
 
 
@@ -89,7 +90,8 @@ def check_structure(graph: TrainGraph) -> None:
     for copy in recomputed(graph):
         original = by_name[copy.meta[MetaKey.RECOMPUTE_OF]]
         assert graph.phase_of(copy) == Phase.BACKWARD and graph.phase_of(original) == Phase.FORWARD
-        assert copy.target is original.target or (cost.is_training_batch_norm(original) and copy.target in BN_REPLAY)
+        assert (copy.target is original.target or (cost.is_training_batch_norm(original) and copy.target in BN_REPLAY)
+                or (cost.dropout_replay(original) is not None and copy.target is DROPOUT_REPLAY))
         assert not cost.is_random(copy) and not (copy.target is operator.getitem and cost.is_random(copy.args[0]))
         assert copy not in buffer_updates and copy is not graph.loss
         assert all(graph.phase_of(u) == Phase.BACKWARD for u in copy.users if u.op == "call_function")
@@ -102,15 +104,27 @@ def check_structure(graph: TrainGraph) -> None:
                        for a in node.all_input_nodes)
 
 
-def test_dropout_is_never_rerun_and_its_outputs_are_kept() -> None:
+def test_dropout_is_never_redrawn_and_its_output_is_replayed_from_the_kept_mask() -> None:
     # The most aggressive plan (every policy's copies are also checked in check_structure).
     graph, _, _ = planned_run("gpt", 0.2)
     dropouts = [n for n in graph.op_nodes() if cost.is_random(n)]
     assert dropouts and all(MetaKey.RECOMPUTE_OF not in n.meta for n in dropouts)
-    assert recomputed(graph), "the tight budget does recompute, just not dropout"
     for copy in recomputed(graph):
         source = copy.args[0] if copy.target is operator.getitem else copy
         assert not cost.is_random(source), f"{copy.name} re-runs dropout"  # type: ignore[arg-type]
+    masks = {n for n in graph.op_nodes() if n.target is operator.getitem and cost.is_random(n.args[0])
+             and n.args[1] == 1}  # type: ignore[arg-type]
+    replays = [n for n in recomputed(graph) if n.target is DROPOUT_REPLAY]
+    assert replays and all(n.args[1] in masks for n in replays), "outputs replayed from the original masks"
+
+
+def test_memory_aware_replays_attention_dropout_instead_of_keeping_it() -> None:
+    module, loss_fn, batch = zoo_case("gpt")
+    graph = tandem.compile(module, loss_fn, *batch, mirror="memory-aware").graph
+    replayed = {n.meta[MetaKey.RECOMPUTE_OF] for n in recomputed(graph) if n.target is DROPOUT_REPLAY}
+    by_name = {n.name: n for n in graph.op_nodes()}
+    sources = {cost.dropout_replay(by_name[name])[0].target for name in replayed}  # type: ignore[index]
+    assert aten._softmax.default in sources, "the attention weights' dropout output is not kept"
 
 
 def test_batchnorm_output_is_replayed_from_kept_statistics() -> None:
