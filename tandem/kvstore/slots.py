@@ -38,6 +38,7 @@ class Slot:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     owned: bool = True  # False while ``value`` views a received network buffer
     readers: list[Waitable] = field(default_factory=list)  # zero-copy sends still reading ``value``
+    frame: Any = None  # the received zmq.Frame whose bytes ``value`` views: sent on as is, no copy
 
 
 def optimizer_to_json(optimizer: Any) -> str:
@@ -119,26 +120,27 @@ class SlotTable:
         self.optimizer = optimizer
         self.optimizer_json = optimizer_to_json(optimizer)
         for slot in self.slots.values():
-            slot.value, slot.owned, slot.readers = slot.value.clone(), True, []
+            slot.value, slot.owned, slot.readers, slot.frame = slot.value.clone(), True, [], None
             slot.state = self._new_state(slot.value)
 
     def _new_state(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
         return {} if self.optimizer is None else dict(self.optimizer.create_state(value))
 
-    def apply(self, slot: Slot, merged: torch.Tensor, merged_owned: bool) -> None:
+    def apply(self, slot: Slot, merged: torch.Tensor, merged_owned: bool, frame: Any = None) -> None:
         """Apply an aggregated push: an optimizer step when one is set, else the value becomes ``merged``.
 
-        Without an optimizer the slot just rebinds to ``merged`` (no copy); network sends still
+        Without an optimizer the slot just rebinds to ``merged`` (no copy; ``frame``, when given, is
+        the received frame ``merged`` views, so pulls can send that frame on); network sends still
         reading the old value keep it alive. With one, the update is in place, so it first waits
         for those sends to finish.
         """
         if self.optimizer is None:
-            slot.value, slot.owned = merged, merged_owned
+            slot.value, slot.owned, slot.frame = merged, merged_owned, frame
             slot.readers.clear()
             return
         self._wait_readers(slot)
         if not slot.owned:
-            slot.value, slot.owned = slot.value.clone(), True
+            slot.value, slot.owned, slot.frame = slot.value.clone(), True, None
         self.optimizer.update([slot.value], [merged], [slot.state])
 
     def _wait_readers(self, slot: Slot) -> None:

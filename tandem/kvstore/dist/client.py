@@ -117,9 +117,10 @@ class Client:
         only if the server stops reading (then raises after ``timeout`` seconds).
         """
         request_id = self._register(_Request(server, on_reply, on_error, getattr(on_reply, "landing", None)))
-        header = replace(header, request_id=request_id, sender_role=Role.WORKER, sender_rank=self.rank)
+        if header.sender_rank != self.rank or header.sender_role is not Role.WORKER:
+            header = replace(header, sender_role=Role.WORKER, sender_rank=self.rank)
         try:
-            self.transport.send_data(server, header, payloads)
+            self.transport.send_data(server, header, payloads, request_id)
         except zmq.Again:
             with self._lock:
                 self._pending.pop(request_id, None)

@@ -167,6 +167,10 @@ class PriorityReceive:
     def send(self, peer: bytes, header: Any, payloads: Any = (), track: bool = False) -> Any:
         return self.inner.send(peer, header, payloads, track)
 
+    def reply(self, peer: bytes, request: Any, rank: int, payloads: Any = (), track: bool = False,
+              error: bool = False) -> Any:  # fmt: skip
+        return self.inner.reply(peer, request, rank, payloads, track, error)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -148,38 +148,84 @@ class Message:
     header: Header
     payloads: list[memoryview]
     landed: bool = False  # the one payload was received straight into the requester's buffer
+    frames: list[Any] = field(default_factory=list)  # the received zmq.Frames behind ``payloads``, if any
 
 
-def _encode_key(key: Key | None) -> tuple[KeyKind, bytes]:
+_KEY_CACHE: dict[Key, tuple[int, bytes]] = {}  # a job has few keys; encoding one per message showed up
+_KEY_CACHE_LIMIT = 65536
+
+
+def _encode_key(key: Key | None) -> tuple[int, bytes]:
     if key is None:
         return KeyKind.NONE, b""
+    known = _KEY_CACHE.get(key) if type(key) is str or type(key) is int else None  # bool never hits
+    if known is not None:
+        return known
     if isinstance(key, bool) or not isinstance(key, int | str):
         raise TypeError(f"kvstore keys are int or str, got {type(key).__name__} {key!r}")
     kind, raw = (KeyKind.INT, str(key).encode()) if isinstance(key, int) else (KeyKind.STR, key.encode())
     if len(raw) > MAX_KEY_BYTES:
         raise ValueError(f"kvstore key {key!r} is longer than {MAX_KEY_BYTES} bytes; use a shorter name")
+    if type(key) is str or type(key) is int:  # subclasses (IntEnum...) may print differently: not cached
+        if len(_KEY_CACHE) >= _KEY_CACHE_LIMIT:
+            _KEY_CACHE.clear()
+        _KEY_CACHE[key] = (kind, raw)
     return kind, raw
 
 
 def encode_header(header: Header, secret: bytes = b"", payload_count: int | None = None,
-                  payload_nbytes: int | None = None) -> bytes:  # fmt: skip
+                  payload_nbytes: int | None = None, request_id: int | None = None) -> bytes:  # fmt: skip
     """The header frame for ``header``; signed with HMAC-SHA256 when ``secret`` is non-empty.
 
-    ``payload_count``/``payload_nbytes`` override the header's (the sender knows them best).
+    ``payload_count``/``payload_nbytes``/``request_id`` override the header's (the sender knows
+    them best; overriding here spares rebuilding a frozen Header per message).
     """
-    key_kind, key_bytes = _encode_key(header.key)
-    flags = (Flag.RESPONSE if header.response else 0) | (Flag.ERROR if header.error else 0)
-    flags |= Flag.SIGNED if secret else 0
-    dtype_code = 0 if header.dtype is None else DTYPE_CODES[header.dtype]
-    fixed = FIXED.pack(
-        MAGIC, VERSION, header.command, flags, header.request_id, header.timestamp,
-        header.sender_role, header.sender_rank, header.priority, key_kind, len(key_bytes), dtype_code,
-        len(header.shape), header.slice_start, header.slice_stop,
-        header.payload_count if payload_count is None else payload_count,
-        header.payload_nbytes if payload_nbytes is None else payload_nbytes,
+    return _pack(
+        header.command, (_RESPONSE if header.response else 0) | (_ERROR if header.error else 0),
+        header.request_id if request_id is None else request_id, header.timestamp, header.sender_role,
+        header.sender_rank, header.priority, header.key, header.dtype, header.shape, header.slice_start,
+        header.slice_stop, header.payload_count if payload_count is None else payload_count,
+        header.payload_nbytes if payload_nbytes is None else payload_nbytes, secret,
     )  # fmt: skip
-    body = fixed + struct.pack(f"<{len(header.shape)}q", *header.shape) + key_bytes
+
+
+def encode_reply(request: Header, rank: int, secret: bytes, payload_count: int = 0, payload_nbytes: int = 0,
+                 error: bool = False) -> bytes:  # fmt: skip
+    """A server's response header to ``request`` (same command, id, key and slice) in one step.
+
+    Equivalent to ``encode_header(request.reply(Role.SERVER, rank, error=error), ...)`` without
+    building the intermediate Header: a server writes one per request.
+    """
+    return _pack(
+        request.command, _RESPONSE | (_ERROR if error else 0), request.request_id, time.time(), Role.SERVER,
+        rank, request.priority, request.key, request.dtype, request.shape, request.slice_start,
+        request.slice_stop, payload_count, payload_nbytes, secret,
+    )  # fmt: skip
+
+
+def _pack(command: int, flags: int, request_id: int, timestamp: float, role: int, rank: int, priority: int,
+          key: Key | None, dtype: torch.dtype | None, shape: tuple[int, ...], start: int, stop: int,
+          payload_count: int, payload_nbytes: int, secret: bytes) -> bytes:  # fmt: skip
+    key_kind, key_bytes = _encode_key(key)
+    body = b"".join((
+        FIXED.pack(
+            MAGIC, VERSION, command, flags | (_SIGNED if secret else 0), request_id, timestamp, role, rank,
+            priority, key_kind, len(key_bytes), 0 if dtype is None else DTYPE_CODES[dtype], len(shape), start,
+            stop, payload_count, payload_nbytes,
+        ),
+        _shape_struct(len(shape)).pack(*shape),
+        key_bytes,
+    ))  # fmt: skip
     return body + hmac.digest(secret, body, hashlib.sha256) if secret else body
+
+
+_SHAPE_STRUCTS = [struct.Struct(f"<{ndim}q") for ndim in range(MAX_NDIM + 1)]
+
+
+def _shape_struct(ndim: int) -> struct.Struct:
+    if ndim > MAX_NDIM:
+        raise ValueError(f"kvstore arrays have at most {MAX_NDIM} dimensions, got {ndim}")
+    return _SHAPE_STRUCTS[ndim]
 
 
 def _check(condition: bool, problem: str) -> None:
@@ -259,7 +305,7 @@ def decode_header(frame: bytes, secret: bytes = b"") -> Header:
         raise ProtocolError("header length does not match its ndim and key length")
     if payload_count > MAX_PAYLOADS:
         raise ProtocolError(f"{payload_count} payload frames, at most {MAX_PAYLOADS} allowed")
-    shape = struct.unpack_from(f"<{ndim}q", body, FIXED.size) if ndim else ()
+    shape = _SHAPE_STRUCTS[ndim].unpack_from(body, FIXED.size) if ndim else ()
     if ndim and min(shape) < 0:
         raise ProtocolError(f"negative dimension in shape {shape}")
     key = _decode_key(_lookup(_KEY_KINDS, key_kind, "key kind"), body[FIXED.size + 8 * ndim :])
@@ -281,16 +327,18 @@ def decode(frames: Sequence[Any], secret: bytes = b"") -> Message:
     if not frames:
         raise ProtocolError("empty message")
     first = frames[0]
-    header = decode_header(first.bytes if hasattr(first, "bytes") else bytes(first), secret)
-    payloads = [_view(frame) for frame in frames[1:]]
-    if len(payloads) != header.payload_count:
-        raise ProtocolError(
-            f"header announces {header.payload_count} payload frames, {len(payloads)} arrived"
-        )
+    return attach(decode_header(first.bytes if hasattr(first, "bytes") else bytes(first), secret), frames[1:])
+
+
+def attach(header: Header, frames: Sequence[Any]) -> Message:
+    """The message of an already decoded ``header`` and its payload frames, checked against it."""
+    if len(frames) != header.payload_count:
+        raise ProtocolError(f"header announces {header.payload_count} payload frames, {len(frames)} arrived")
+    payloads = [_view(frame) for frame in frames]
     received = sum(payload.nbytes for payload in payloads)
     if received != header.payload_nbytes:
         raise ProtocolError(f"header announces {header.payload_nbytes} payload bytes, {received} arrived")
-    return Message(header, payloads)
+    return Message(header, payloads, frames=list(frames))
 
 
 def _view(frame: Any) -> memoryview:
@@ -314,7 +362,3 @@ def tensor_from_bytes(payload: memoryview, dtype: torch.dtype, numel: int) -> to
     if numel == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(payload, dtype=dtype, count=numel)
-
-
-def payload_size(payloads: Sequence[memoryview | bytes]) -> int:
-    return sum(memoryview(payload).nbytes for payload in payloads)

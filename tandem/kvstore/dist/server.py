@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ from tandem.kvstore.slots import Slot, SlotId, SlotTable
 
 log = logging.getLogger("tandem.kvstore.server")
 CONTROL_COMMANDS = frozenset({Command.HELLO, Command.HEARTBEAT, Command.BYE, Command.ABORT})
+_ACTIONS = {command: command.name.lower() for command in Command}  # for error messages, named once
 
 
 @dataclass
@@ -48,11 +50,14 @@ class _WorkerState:
     gone: bool = False  # said goodbye: silence is expected now
 
 
+_Push = tuple[torch.Tensor, Any]  # a pushed value and the received frame it views (None if not one)
+
+
 @dataclass
 class _Rounds:
     """Sync-mode bookkeeping for one slot."""
 
-    queued: dict[int, deque[torch.Tensor]] = field(default_factory=dict)  # worker -> pushes not merged yet
+    queued: dict[int, deque[_Push]] = field(default_factory=dict)  # worker -> pushes not merged yet
     pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes received in total
     applied: int = 0
     waiting_pulls: list[tuple[int, bytes, Header]] = field(
@@ -76,7 +81,7 @@ class Server:
         self.barrier: dict[int, tuple[bytes, Header]] = {}
         self.rejected = 0
         self._handlers: dict[Command, Callable[[bytes, Message], None]] = {
-            Command.HEARTBEAT: lambda peer, message: self._reply(peer, message.header),
+            Command.HEARTBEAT: self._heartbeat,
             Command.BYE: self._bye,
             Command.INIT: self._init,
             Command.PUSH: self._push,
@@ -133,35 +138,35 @@ class Server:
 
     def _dispatch(self, incoming: Incoming) -> None:
         message, on_data = incoming.message, incoming.peer is None
-        where = "data socket" if on_data else f"control peer {incoming.peer.hex()[:16]}"
         if message is None:
-            self._reject(where, str(incoming.error))
+            self._reject(incoming, str(incoming.error))
             return
         header = message.header
         if header.response or header.sender_role is not Role.WORKER:
             self._reject(
-                where, f"unexpected {header.command.name} {'response' if header.response else 'request'}"
+                incoming, f"unexpected {header.command.name} {'response' if header.response else 'request'}"
             )
             return
         if (header.command in CONTROL_COMMANDS) == on_data:
-            self._reject(where, f"{header.command.name} on the {'data' if on_data else 'control'} socket")
+            self._reject(incoming, f"{header.command.name} on the {'data' if on_data else 'control'} socket")
             return
         if header.command is Command.HELLO:
-            self._guarded(incoming.peer, header, lambda: self._hello(incoming.peer, message))
+            self._guarded(incoming.peer, header, self._hello, message)
             return
         worker = self.workers.get(header.sender_rank)
         if worker is None or worker.gone or not (on_data or incoming.peer == worker.peer):
             self._reject(
-                where, f"{header.command.name} from worker {header.sender_rank}, which did not say hello"
+                incoming, f"{header.command.name} from worker {header.sender_rank}, which did not say hello"
             )
             return
         worker.last_heard = time.monotonic()
-        self._guarded(worker.peer, header, lambda: self._handlers[header.command](worker.peer, message))
+        self._guarded(worker.peer, header, self._handlers[header.command], message)
 
-    def _guarded(self, peer: bytes, header: Header, handler: Callable[[], None]) -> None:
-        """Run a handler; a bad request becomes an error response, never a dead server."""
+    def _guarded(self, peer: bytes, header: Header, handler: Callable[[bytes, Message], None],
+                 message: Message) -> None:  # fmt: skip
+        """Run ``handler(peer, message)``; a bad request becomes an error response, never a dead server."""
         try:
-            handler()
+            handler(peer, message)
         except RemoteError as error:
             self._reply_error(peer, header, str(error))
         except PeerFailure:
@@ -172,20 +177,22 @@ class Server:
                 peer, header, f"internal error on server {self.rank}: {type(error).__name__}: {error}"
             )
 
-    def _reject(self, where: str, reason: str) -> None:
+    def _reject(self, incoming: Incoming, reason: str) -> None:
         self.rejected += 1
+        where = "data socket" if incoming.peer is None else f"control peer {incoming.peer.hex()[:16]}"
         log.warning("server %d rejected a message from %s: %s", self.rank, where, reason)
 
-    def _reply(self, peer: bytes, request: Header, payloads: list[memoryview] | None = None,
+    def _reply(self, peer: bytes, request: Header, payloads: list[Any] | None = None,
                slot: Slot | None = None) -> None:  # fmt: skip
-        header = request.reply(Role.SERVER, self.rank)
-        tracker = self.transport.send(peer, header, payloads or [], track=slot is not None)
+        tracker = self.transport.reply(peer, request, self.rank, payloads or (), track=slot is not None)
         if slot is not None and tracker is not None:
             slot.readers = [reader for reader in slot.readers if not reader.done] + [tracker]
 
     def _reply_error(self, peer: bytes, request: Header, text: str) -> None:
-        header = request.reply(Role.SERVER, self.rank, error=True)
-        self.transport.send(peer, header, [memoryview(text.encode("utf-8"))])
+        self.transport.reply(peer, request, self.rank, [memoryview(text.encode("utf-8"))], error=True)
+
+    def _heartbeat(self, peer: bytes, message: Message) -> None:
+        self._reply(peer, message.header)
 
     def _hello(self, peer: bytes, message: Message) -> None:
         header = message.header
@@ -251,7 +258,7 @@ class Server:
         assert header.key is not None and header.dtype is not None  # ensured by _tensor_request
         return (header.key, header.slice_start, header.slice_stop)
 
-    def _tensor_request(self, message: Message) -> tuple[SlotId, torch.Tensor | None]:
+    def _tensor_request(self, message: Message) -> tuple[SlotId, _Push | None]:
         header = message.header
         if header.key is None or header.dtype is None:
             raise RemoteError(f"{header.describe()} needs a key and a dtype")
@@ -259,28 +266,25 @@ class Server:
             return self._slot_id(header), None
         if len(message.payloads) != 1:
             raise RemoteError(f"{header.describe()} needs exactly one payload frame")
-        return self._slot_id(header), tensor_from_bytes(message.payloads[0], header.dtype, header.slice_numel)
+        tensor = tensor_from_bytes(message.payloads[0], header.dtype, header.slice_numel)
+        return self._slot_id(header), (tensor, message.frames[0] if message.frames else None)
 
     def _init(self, peer: bytes, message: Message) -> None:
-        slot_id, tensor = self._tensor_request(message)
-        assert tensor is not None
-        self.table.init(slot_id, message.header.shape, tensor)
+        slot_id, push = self._tensor_request(message)
+        assert push is not None
+        self.table.init(slot_id, message.header.shape, push[0])
         self._reply(peer, message.header)
 
-    def _lookup(self, message: Message) -> tuple[SlotId, Slot, torch.Tensor | None]:
+    def _lookup(self, message: Message) -> tuple[SlotId, Slot, _Push | None]:
         header = message.header
-        slot_id, tensor = self._tensor_request(message)
+        slot_id, push = self._tensor_request(message)
         assert header.dtype is not None
-        return (
-            slot_id,
-            self.table.get(slot_id, header.shape, header.dtype, header.command.name.lower()),
-            tensor,
-        )
+        return slot_id, self.table.get(slot_id, header.shape, header.dtype, _ACTIONS[header.command]), push
 
     def _push(self, peer: bytes, message: Message) -> None:
-        slot_id, slot, tensor = self._lookup(message)
-        assert tensor is not None
-        self._merge(slot_id, slot, message.header.sender_rank, tensor)
+        slot_id, slot, push = self._lookup(message)
+        assert push is not None
+        self._merge(slot_id, slot, message.header.sender_rank, push)
         self._reply(peer, message.header)
 
     def _pull(self, peer: bytes, message: Message) -> None:
@@ -288,23 +292,25 @@ class Server:
         self._answer_pull(slot_id, slot, peer, message.header)
 
     def _pushpull(self, peer: bytes, message: Message) -> None:
-        slot_id, slot, tensor = self._lookup(message)
-        assert tensor is not None
-        self._merge(slot_id, slot, message.header.sender_rank, tensor)
+        slot_id, slot, push = self._lookup(message)
+        assert push is not None
+        self._merge(slot_id, slot, message.header.sender_rank, push)
         self._answer_pull(slot_id, self.table.slots[slot_id], peer, message.header)
 
-    def _merge(self, slot_id: SlotId, slot: Slot, worker: int, tensor: torch.Tensor) -> None:
+    def _merge(self, slot_id: SlotId, slot: Slot, worker: int, push: _Push) -> None:
         if not self.options.sync:
-            self.table.apply(slot, tensor, merged_owned=False)
+            self.table.apply(slot, push[0], merged_owned=False, frame=push[1])
             return
         rounds = self.rounds.setdefault(slot_id, _Rounds())
-        rounds.queued.setdefault(worker, deque()).append(tensor)
+        rounds.queued.setdefault(worker, deque()).append(push)
         rounds.pushed[worker] = rounds.pushed.get(worker, 0) + 1
         workers = range(self.topology.num_workers)
         while all(rounds.queued.get(rank) for rank in workers):
             pushes = [rounds.queued[rank].popleft() for rank in workers]  # rank order: deterministic sums
-            merged = pushes[0] if len(pushes) == 1 else _sum(pushes)
-            self.table.apply(slot, merged, merged_owned=len(pushes) > 1)
+            if len(pushes) == 1:
+                self.table.apply(slot, pushes[0][0], merged_owned=False, frame=pushes[0][1])
+            else:
+                self.table.apply(slot, _sum([tensor for tensor, _ in pushes]), merged_owned=True)
             rounds.applied += 1
         ready = [pull for pull in rounds.waiting_pulls if pull[0] <= rounds.applied]
         rounds.waiting_pulls = [pull for pull in rounds.waiting_pulls if pull[0] > rounds.applied]
@@ -324,7 +330,8 @@ class Server:
     def _send_value(self, slot: Slot, peer: bytes, request: Header) -> None:
         # only in-place updates (an optimizer) must wait for zero-copy sends; tracking them costs time
         tracked = slot if self.table.optimizer is not None else None
-        self._reply(peer, request, [tensor_bytes(slot.value)], slot=tracked)
+        value = slot.frame if slot.frame is not None else tensor_bytes(slot.value)  # a frame is sent on, uncopied
+        self._reply(peer, request, [value], slot=tracked)
 
     def _set_optimizer(self, peer: bytes, message: Message) -> None:
         self.table.set_optimizer(_text_payload(message))

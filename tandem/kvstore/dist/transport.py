@@ -18,14 +18,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
-from tandem.kvstore.dist.protocol import Header, Message, decode, decode_header, encode_header, payload_size
+from tandem.kvstore.dist.protocol import Header, Message, attach, decode, decode_header, encode_header, encode_reply
 from tandem.kvstore.errors import ProtocolError
 
 ZERO_COPY_BYTES = 64 * 1024
+SNDMORE = zmq.SNDMORE
 MAX_BATCH = 256  # messages drained per poll, so heartbeats and sends are never starved
 Landing = Callable[[int, Header], memoryview | None]  # where a reply's payload may be received in place
 
@@ -44,21 +45,31 @@ class _Endpoint:
         self.secret = secret
         self.context = zmq.Context()
 
-    def _send(self, socket: zmq.Socket, prefix: list[bytes], header: Header, payloads: Sequence[Any],
+    def _send(self, socket: zmq.Socket, prefix: bytes | None, head: bytes, payloads: Sequence[Any],
               track: bool) -> zmq.MessageTracker | None:  # fmt: skip
-        """Send ``prefix + [header] + payloads``; returns a tracker for a zero-copy payload if asked."""
-        head = encode_header(header, self.secret, len(payloads), payload_size(payloads))
-        frames: list[Any] = [*prefix, head, *payloads]
-        control = len(prefix) + 1
+        """Send ``[prefix] + [head] + payloads``; returns a tracker for a zero-copy payload if asked.
+
+        A payload that is a received ``zmq.Frame`` is sent on as it is: ZeroMQ shares the buffer
+        (no copy, and none of pyzmq's per-message garbage-collector thread wake-ups that a
+        zero-copy send of Python memory costs).
+        """
+        if prefix is not None:
+            socket.send(prefix, SNDMORE)
+        if not payloads:
+            socket.send(head)
+            return None
+        socket.send(head, SNDMORE)
         tracker = None
-        for index, frame in enumerate(frames):
-            flags = zmq.SNDMORE if index < len(frames) - 1 else 0
-            if index < control:
-                socket.send(frame, flags)
-                continue
-            big = memoryview(frame).nbytes >= ZERO_COPY_BYTES
-            result = socket.send(frame, flags, copy=not big, track=track and big)
-            tracker = result if isinstance(result, zmq.MessageTracker) else tracker
+        last = len(payloads) - 1
+        for index, payload in enumerate(payloads):
+            flags = 0 if index == last else SNDMORE
+            if type(payload) is zmq.Frame:
+                socket.send(payload, flags, copy=False)
+            elif _nbytes(payload) < ZERO_COPY_BYTES:
+                socket.send(payload, flags)
+            else:
+                result = socket.send(payload, flags, copy=False, track=track)
+                tracker = result if track else tracker
         return tracker
 
     def _decode(self, peer: Any, frames: list[Any]) -> Incoming:
@@ -97,22 +108,33 @@ class ServerTransport(_Endpoint):
 
     def send(self, peer: bytes, header: Header, payloads: Sequence[Any] = (), track: bool = False) -> Any:
         """Send to the worker whose control routing id is ``peer``; returns a tracker for big tracked payloads."""
-        return self._send(self.control, [peer], header, payloads, track)
+        head = encode_header(header, self.secret, len(payloads), payload_size(payloads))
+        return self._send(self.control, peer, head, payloads, track)
+
+    def reply(self, peer: bytes, request: Header, rank: int, payloads: Sequence[Any] = (), track: bool = False,
+              error: bool = False) -> Any:  # fmt: skip
+        """Answer ``request`` (``send`` of its response header, built in one step); same return."""
+        head = encode_reply(request, rank, self.secret, len(payloads), payload_size(payloads), error)
+        return self._send(self.control, peer, head, payloads, track)
 
     def poll(self, timeout: float) -> list[Incoming]:
         """Messages arriving within ``timeout`` seconds; ``peer`` is None for data-socket messages."""
         received: list[Incoming] = []
-        ready = dict(self._poller.poll(int(max(timeout, 0) * 1000)))
-        for socket in (self.control, self.data):
-            while socket in ready and len(received) < MAX_BATCH:
-                try:
-                    frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
+        ready = self._poller.poll(int(max(timeout, 0) * 1000))
+        if not ready:
+            return received
+        sockets = [socket for socket, _ in ready]
+        for socket in (self.control, self.data):  # control first: goodbyes and heartbeats are never starved
+            if socket not in sockets:
+                continue
+            while len(received) < MAX_BATCH:
+                frames = socket.recv_multipart(copy=False)  # readable: poll said so, or EVENTS below did
                 if socket is self.control:
                     received.append(self._decode(frames[0].bytes, frames[1:]))
                 else:
                     received.append(self._decode(None, frames))
+                if not _readable(socket):
+                    break
         return received
 
 
@@ -137,6 +159,7 @@ class WorkerTransport(_Endpoint):
         self._poller = zmq.Poller()
         for socket in [self._wake_in, *self.control]:
             self._poller.register(socket, zmq.POLLIN)
+        self._server_of = {socket: server for server, socket in enumerate(self.control)}
 
     def wake(self) -> None:
         """Interrupt a ``poll`` in the IO thread. Thread safe."""
@@ -145,12 +168,17 @@ class WorkerTransport(_Endpoint):
 
     def send_control(self, server: int, header: Header, payloads: Sequence[Any] = ()) -> None:
         """IO thread only."""
-        self._send(self.control[server], [], header, payloads, track=False)
+        head = encode_header(header, self.secret, len(payloads), payload_size(payloads))
+        self._send(self.control[server], None, head, payloads, track=False)
 
-    def send_data(self, server: int, header: Header, payloads: Sequence[Any] = ()) -> None:
-        """Thread safe; raises ``zmq.Again`` when the server has not accepted data for the send timeout."""
+    def send_data(self, server: int, header: Header, payloads: Sequence[Any] = (), request_id: int | None = None) -> None:
+        """Thread safe; raises ``zmq.Again`` when the server has not accepted data for the send timeout.
+
+        ``request_id`` overrides the header's (so callers need not rebuild the frozen header).
+        """
+        head = encode_header(header, self.secret, len(payloads), payload_size(payloads), request_id)
         with self._data_lock:
-            self._send(self.data[server], [], header, payloads, track=False)
+            self._send(self.data[server], None, head, payloads, track=False)
 
     def poll(self, timeout: float, landing: Landing | None = None) -> list[Incoming]:
         """IO thread only: replies and notices arriving within ``timeout`` seconds (or until ``wake``).
@@ -159,38 +187,55 @@ class WorkerTransport(_Endpoint):
         straight into it, saving a copy and the allocation of a big frame.
         """
         received: list[Incoming] = []
-        ready = dict(self._poller.poll(int(max(timeout, 0) * 1000)))
-        if self._wake_in in ready:
-            while _drain_one(self._wake_in):
-                pass
-        for server, dealer in enumerate(self.control):
-            while dealer in ready and len(received) < MAX_BATCH:
-                try:
-                    first = dealer.recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+        for socket, _ in self._poller.poll(int(max(timeout, 0) * 1000)):
+            if socket is self._wake_in:
+                while _drain_one(self._wake_in):
+                    pass
+                continue
+            server = self._server_of[socket]
+            while len(received) < MAX_BATCH:
+                received.append(self._receive(server, socket, landing))  # readable: never blocks
+                if not _readable(socket):
                     break
-                received.append(self._receive_rest(server, dealer, first, landing))
         return received
 
-    def _receive_rest(self, server: int, dealer: zmq.Socket, first: zmq.Frame, landing: Landing | None) -> Incoming:
-        if not first.more:
+    def _receive(self, server: int, dealer: zmq.Socket, landing: Landing | None) -> Incoming:
+        first = dealer.recv()  # a small header: a bytes copy is cheaper than a Frame object
+        if not dealer.get(zmq.RCVMORE):
             return self._decode(server, [first])
         try:
-            header = decode_header(first.bytes, self.secret)
+            header = decode_header(first, self.secret)
         except ProtocolError as error:
             dealer.recv_multipart()  # the rest of a message we already rejected
             return Incoming(server, None, error)
         wanted = landing is not None and header.payload_count == 1 and not header.error
         target = landing(server, header) if wanted and landing is not None else None
         if target is None or target.nbytes != header.payload_nbytes:
-            return self._decode(server, [first, *dealer.recv_multipart(copy=False)])
+            try:
+                return Incoming(server, attach(header, dealer.recv_multipart(copy=False)))
+            except ProtocolError as error:
+                return Incoming(server, None, error)
         size = dealer.recv_into(target)  # the rest of a multipart message is already here: never blocks
-        if dealer.getsockopt(zmq.RCVMORE):
+        if dealer.get(zmq.RCVMORE):
             dealer.recv_multipart()
             return Incoming(server, None, ProtocolError("reply has more payload frames than its header announced"))
         if size != target.nbytes:
             return Incoming(server, None, ProtocolError(f"reply payload of {size} bytes, header announced {target.nbytes}"))
         return Incoming(server, Message(header, [target], landed=True))
+
+
+def _readable(socket: zmq.Socket) -> bool:
+    """Whether another message waits; cheaper than a NOBLOCK recv raising ``zmq.Again``."""
+    return bool(cast(int, socket.get(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def _nbytes(payload: Any) -> int:
+    return payload.nbytes if type(payload) is memoryview else memoryview(payload).nbytes
+
+
+def payload_size(payloads: Sequence[Any]) -> int:
+    """Total bytes of ``payloads`` (memoryviews, bytes or received frames)."""
+    return sum(_nbytes(payload) for payload in payloads)
 
 
 def _drain_one(socket: zmq.Socket) -> bool:
