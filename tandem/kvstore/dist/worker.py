@@ -89,7 +89,7 @@ class DistKVStore(KVStore):
             if finish is not None:
                 finishers.append(finish)
             for part in slices:
-                payloads = [] if command is Command.PULL else [tensor_bytes(flat[part.start : part.stop])]
+                payloads = [] if command is Command.PULL else [tensor_bytes(_part(flat, part))]
                 on_reply = _Reply(handle, receive, part, value.dtype)
                 self._client.submit(part.server, self._header(command, key, value, part, priority), payloads,
                                     on_reply, handle.fail)  # fmt: skip
@@ -212,6 +212,12 @@ def _receiver(
     return landing.view(-1), copy_onward
 
 
+def _part(flat: torch.Tensor, part: Slice) -> torch.Tensor:
+    """Elements ``[part.start, part.stop)`` of ``flat``; the tensor itself when the part is all of it."""
+    whole = part.start == 0 and part.stop == flat.numel()
+    return flat if whole else flat[part.start : part.stop]
+
+
 @dataclass
 class _Reply:
     """Completes one slice of a handle; for pulls, ``landing`` lets the IO thread receive the value in place."""
@@ -224,7 +230,7 @@ class _Reply:
 
     def __post_init__(self) -> None:
         if self.target is not None and self.part.numel:
-            self.landing = tensor_bytes(self.target[self.part.start : self.part.stop])
+            self.landing = tensor_bytes(_part(self.target, self.part))
 
     def __call__(self, message: Message) -> None:
         if self.target is not None and not message.landed:
