@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
+from enum import IntEnum
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from tandem.kvstore.dist.protocol import (
     decode,
     decode_header,
     encode_header,
+    encode_reply,
     tensor_bytes,
     tensor_from_bytes,
 )
@@ -123,3 +126,33 @@ def test_single_byte_corruption_is_caught_or_harmless(position: int, byte: int) 
         decode_header(bytes(frame))
     except ProtocolError:
         pass
+
+
+@pytest.mark.parametrize("secret", [b"", b"s3cret"])
+@pytest.mark.parametrize("error", [False, True])
+def test_encode_reply_equals_the_reply_header(secret: bytes, error: bool) -> None:
+    request = _push(shape=(105,))
+    fast = decode_header(encode_reply(request, 3, secret, 1, 420, error), secret)
+    slow = request.reply(Role.SERVER, 3, error=error, payload_count=1, payload_nbytes=420)
+    assert fast == replace(slow, timestamp=fast.timestamp)
+
+
+def test_key_cache_keeps_bools_and_int_subclasses_apart() -> None:
+    class Layer(IntEnum):
+        FIRST = 1
+
+    assert decode_header(encode_header(_push(1)), b"").key == 1
+    with pytest.raises(TypeError, match="int or str"):
+        encode_header(_push(True))  # would hit the cached entry of 1 if the cache ignored the type
+    assert decode_header(encode_header(_push(Layer.FIRST)), b"").key == 1
+
+
+def test_tensor_bytes_views_memory_of_every_dtype_in_order() -> None:
+    for dtype in [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                  torch.int16, torch.int8, torch.uint8, torch.bool]:  # fmt: skip
+        value = (torch.arange(24) % 3).to(dtype).reshape(2, 3, 4)
+        view = tensor_bytes(value)
+        assert (view.format, view.ndim, view.nbytes) == ("B", 1, 24 * value.element_size())
+        assert bytes(view) == value.reshape(-1).view(torch.uint8).numpy().tobytes()
+    with pytest.raises(ValueError, match="contiguous"):
+        tensor_bytes(torch.ones(4, 4).t())
