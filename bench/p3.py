@@ -8,7 +8,8 @@ Modes (``Trainer(kvstore=..., communication=...)``):
 - p3:       the same, sliced, by priority, with a cap on pushes in flight (dist_p3);
 - ddp:      torch DistributedDataParallel with gloo (2 processes, allreduce, no servers).
 Per (model, rate) all modes run back to back; each job measures ``--runs`` runs of ``--steps``
-steps (after a warm-up) and reports the median samples/s. The ideal is
+steps (after a warm-up; each run primed by one untimed step, its final drain untimed: steady
+state, see ``_timed_runs``) and reports the median samples/s. The ideal is
 ``global batch / max(compute time, model bytes / link rate)``: compute is the same step without
 communication, run by each worker of the p3 job interleaved with its measured runs (same load);
 ``model bytes / link rate`` is the floor of a worker's communication (every byte leaves once and
@@ -70,9 +71,14 @@ def _model(name: str) -> tuple[Any, Any, tuple[Any, ...], int]:
 
 
 def _timed_runs(cases: dict[str, tuple[Any, Any]], runs: int, steps: int) -> dict[str, list[float]]:
-    """Seconds per step of each run of each case, cases interleaved run by run (after a warm-up).
+    """Steady-state seconds per step of each run of each case, cases interleaved run by run.
 
-    A case is ``(step, finish)``; ``finish`` waits for outstanding communication.
+    A case is ``(step, finish)``; ``finish`` waits for outstanding communication. With overlap and
+    P3 a step returns while its gradients are still on the wire (the next forward waits for each
+    layer's parameters), so a run primes the pipeline with one untimed step, then times ``steps``
+    steps from that step's return to the last one's: one step of communication is in flight at
+    both ends of the window, as in the middle of a long training run. The drain (``finish``)
+    after the window is not timed: a long run pays it once, not every few steps.
     """
     for step, finish in cases.values():
         for _ in range(int(os.environ.get("P3BENCH_WARMUP", WARMUP_STEPS))):
@@ -81,11 +87,12 @@ def _timed_runs(cases: dict[str, tuple[Any, Any]], runs: int, steps: int) -> dic
     seconds: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(runs):
         for name, (step, finish) in cases.items():
+            step()  # prime: the parameters of the first timed step are on the wire, as in steady state
             start = time.perf_counter()
             for _ in range(steps):
                 step()
-            finish()
             seconds[name].append((time.perf_counter() - start) / steps)
+            finish()  # drain before the next case runs, so that cases do not overlap
     return seconds
 
 
