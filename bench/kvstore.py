@@ -214,8 +214,11 @@ def report(results: dict[int, dict[str, float]], runs: int) -> str:
                   throughput["kvstore 1s pushpull"] / raw]  # fmt: skip
         rows.append([_label(size), *[throughput[name] for name in names], *[f"{ratio:.0%}" for ratio in ratios]])
     table = markdown_table(headers, rows)
+    micro = markdown_table(["size", *[f"{name} us" for name in names]],
+                           [[_label(size), *[f"{size / throughput[name] / 1e3:.0f}" for name in names]]
+                            for size, throughput in results.items()])  # fmt: skip
     note = f"Medians of {runs} interleaved rounds; GB/s = tensor bytes / round-trip time (1e9 bytes per GB)."
-    return f"{table}\n\n{note}"
+    return f"{table}\n\nThe same medians as microseconds per operation (one round trip, or push then pull):\n\n{micro}\n\n{note}"
 
 
 def main() -> None:
