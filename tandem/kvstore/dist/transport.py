@@ -31,7 +31,7 @@ MAX_BATCH = 256  # messages drained per poll, so heartbeats and sends are never 
 Landing = Callable[[int, Header], memoryview | None]  # where a reply's payload may be received in place
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Incoming:
     """One received message, or the reason it was rejected; ``peer`` says who sent it."""
 
