@@ -128,7 +128,10 @@ class ServerTransport(_Endpoint):
             if socket not in sockets:
                 continue
             while len(received) < MAX_BATCH:
-                frames = socket.recv_multipart(copy=False)  # readable: poll said so, or EVENTS below did
+                try:  # readable (poll said so, or EVENTS below did); NOBLOCK all the same: never hang
+                    frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
                 if socket is self.control:
                     received.append(self._decode(frames[0].bytes, frames[1:]))
                 else:
@@ -194,13 +197,17 @@ class WorkerTransport(_Endpoint):
                 continue
             server = self._server_of[socket]
             while len(received) < MAX_BATCH:
-                received.append(self._receive(server, socket, landing))  # readable: never blocks
+                try:
+                    first = socket.recv(zmq.NOBLOCK)  # a small header: bytes are cheaper than a Frame object
+                except zmq.Again:
+                    break
+                received.append(self._receive(server, socket, first, landing))
                 if not _readable(socket):
                     break
         return received
 
-    def _receive(self, server: int, dealer: zmq.Socket, landing: Landing | None) -> Incoming:
-        first = dealer.recv()  # a small header: a bytes copy is cheaper than a Frame object
+    def _receive(self, server: int, dealer: zmq.Socket, first: bytes, landing: Landing | None) -> Incoming:
+        """The rest of a message whose header frame ``first`` arrived (its frames are all here already)."""
         if not dealer.get(zmq.RCVMORE):
             return self._decode(server, [first])
         try:
