@@ -89,6 +89,7 @@ class SlotTable:
     def init(self, slot_id: SlotId, shape: tuple[int, ...], value: torch.Tensor) -> None:
         if slot_id in self.slots:
             raise RemoteError(f"{describe(slot_id, shape)} is already initialised; init each key once")
+        self._check_scope(slot_id, shape, self.optimizer)
         stored = value.detach().to("cpu").reshape(-1).clone()
         self.slots[slot_id] = Slot(shape, stored, self._new_state(stored))
 
@@ -117,11 +118,26 @@ class SlotTable:
         Values are copied first: untracked zero-copy sends may still read the old tensors, and
         optimizer updates write in place.
         """
+        for slot_id, slot in self.slots.items():
+            self._check_scope(slot_id, slot.shape, optimizer)
         self.optimizer = optimizer
         self.optimizer_json = optimizer_to_json(optimizer)
         for slot in self.slots.values():
             slot.value, slot.owned, slot.readers, slot.frame = slot.value.clone(), True, [], None
             slot.state = self._new_state(slot.value)
+
+    @staticmethod
+    def _check_scope(slot_id: SlotId, shape: tuple[int, ...], optimizer: Any) -> None:
+        """A non-elementwise rule (LAMB) on a slice of a tensor would update it with the slice's norms."""
+        _, start, stop = slot_id
+        if optimizer is None or getattr(optimizer, "elementwise", True) or (start == 0 and stop == _numel(shape)):
+            return
+        raise RemoteError(
+            f"{type(optimizer).__name__} cannot run on the servers for {describe(slot_id, shape)}: its update "
+            f"needs the whole tensor, but this server holds a slice (TANDEM_KVSTORE_BIGARRAY_BOUND split or "
+            f"P3 slicing); update on the workers (Trainer(update_on_kvstore=False)) or raise the bound / "
+            f"slice size above {_numel(shape)} elements"
+        )
 
     def _new_state(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
         return {} if self.optimizer is None else dict(self.optimizer.create_state(value))

@@ -12,6 +12,7 @@ from tandem.optim.adam_family import AdamFamily
 @dataclass
 class LAMB(AdamFamily):
     name: ClassVar[str] = "lamb"
+    elementwise: ClassVar[bool] = False  # the trust ratio needs norms of the whole tensor
     fused_update = staticmethod(multi_lamb_update)
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)

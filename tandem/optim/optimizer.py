@@ -31,6 +31,9 @@ class Optimizer(ABC):
     """
 
     name: ClassVar[str]
+    # True when an element's update reads only that element, its gradient and its state, so a
+    # server holding a slice of a tensor (big-array split, P3 slicing) updates it exactly.
+    elementwise: ClassVar[bool] = True
     lr: float
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -10,7 +10,9 @@ import torch
 import tandem.kvstore as kvstore
 from tandem.kvstore import KVStoreError
 from tandem.kvstore.base import Handle
-from tandem.optim import SGD, AdamW
+from tandem.kvstore.errors import RemoteError
+from tandem.kvstore.slots import SlotTable
+from tandem.optim import LAMB, SGD, AdamW
 
 
 def test_push_of_a_list_sums_it_and_pull_copies_out() -> None:
@@ -115,3 +117,18 @@ def test_handle_reports_errors_and_timeouts() -> None:
     done.part_done()
     done.wait(timeout=0)
     assert finished == [True]
+
+
+
+def test_server_side_lamb_refuses_a_slice_of_a_tensor() -> None:
+    # LAMB's trust ratio uses norms of the whole tensor: a server holding a slice would compute them wrong
+    table = SlotTable()
+    table.init(("w", 0, 10), (10,), torch.zeros(10))  # a whole tensor
+    table.set_optimizer_object(LAMB(lr=0.1))  # fine
+    with pytest.raises(RemoteError, match=r"LAMB cannot run on the servers for key 'big' elements \[0, 5\).*update_on_kvstore=False"):
+        table.init(("big", 0, 5), (10,), torch.zeros(5))  # half of a tensor, LAMB already set
+    table = SlotTable()
+    table.init(("big", 0, 5), (10,), torch.zeros(5))
+    table.set_optimizer_object(AdamW(lr=0.1))  # elementwise rules update slices exactly
+    with pytest.raises(RemoteError, match="needs the whole tensor"):
+        table.set_optimizer_object(LAMB(lr=0.1))
