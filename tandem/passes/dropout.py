@@ -1,0 +1,65 @@
+"""Dropout in eager PyTorch's form when nothing is mirrored: a float noise tensor, not a bool mask.
+
+Capture yields ``native_dropout``, which returns a 1-byte bool mask for the backward. On the CPU
+both its forward and ``native_dropout_backward`` convert that mask to float on every use (an
+allocation and a pass over the tensor each time): gpt's step spent ~3 % more than eager on it.
+Eager's dropout keeps ``noise = bernoulli(1 - p) / (1 - p)`` as a float tensor instead, so its
+backward is one multiply. Without mirroring tandem keeps what eager keeps, in eager's form; the
+mirroring policies keep the 1-byte mask (3 bytes less per element) and replay dropout outputs
+from it, trading those conversions for memory. Same random draw either way: the CPU kernel draws
+a float Bernoulli tensor in both forms, so the RNG stream and the mask are those of eager.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tandem.graph.train_graph import TrainGraph
+from tandem.passes.mirror import MirrorPolicy
+
+aten = torch.ops.aten
+
+
+def dropout_pass(graph: TrainGraph, config: Any) -> TrainGraph:
+    """Rewrite training ``native_dropout`` into eager's noise form when the mirror policy is off."""
+    if MirrorPolicy.parse(getattr(config, "mirror", None)).name != "off":
+        return graph
+    for node in [n for n in graph.op_nodes() if n.target is aten.native_dropout.default]:
+        _to_noise_form(graph, node)
+    return graph
+
+
+def _to_noise_form(graph: TrainGraph, dropout: fx.Node) -> None:
+    source, probability, train = dropout.args
+    parts = {user.args[1]: user for user in dropout.users if user.target is operator.getitem}
+    output, mask = parts.get(0), parts.get(1)
+    backwards = list(mask.users) if mask is not None else []
+    if not train or not isinstance(probability, float | int) or not 0 < probability < 1 or output is None:
+        return
+    if any(user.target is not aten.native_dropout_backward.default for user in backwards):
+        return  # the mask is read some other way: leave this dropout as captured
+    keep = 1.0 - probability
+    with graph.graph.inserting_before(dropout):
+        drawn = _like(graph, dropout, output, aten.bernoulli.p, (source, keep))
+        noise = _like(graph, dropout, output, aten.div.Tensor, (drawn, keep))
+        value = _like(graph, dropout, output, aten.mul.Tensor, (source, noise))
+    output.replace_all_uses_with(value)
+    for backward in backwards:
+        with graph.graph.inserting_before(backward):
+            gradient = _like(graph, backward, backward, aten.mul.Tensor, (backward.args[0], noise))
+        backward.replace_all_uses_with(gradient)
+        graph.graph.erase_node(backward)
+    for part in parts.values():  # the draw must go too (a random op is never dead code): one draw per dropout
+        graph.graph.erase_node(part)
+    graph.graph.erase_node(dropout)
+
+
+def _like(graph: TrainGraph, origin: fx.Node, shaped: fx.Node, target: Any, args: tuple[Any, ...]) -> fx.Node:
+    """A new node with ``origin``'s tandem metadata (phase, module path) and ``shaped``'s value."""
+    node = graph.graph.call_function(target, args)
+    node.meta = {**{k: v for k, v in origin.meta.items() if k.startswith("tandem_")}, "val": shaped.meta.get("val")}
+    return node

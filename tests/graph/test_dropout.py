@@ -1,0 +1,62 @@
+"""The dropout pass: eager's float-noise form without mirroring, the 1-byte mask with it."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+import tandem
+from tests.conftest import eager_step, twin
+
+aten = torch.ops.aten
+
+
+class Dropped(nn.Module):
+    """Dropout on a hidden layer and on the output: both gradients flow through a mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 8)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.second(self.drop(torch.relu(self.first(x)))))
+
+
+def loss_sum(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x).pow(2).sum()
+
+
+def targets(step: tandem.TrainStep) -> list[object]:
+    return [node.target for node in step.graph.op_nodes()]
+
+
+def test_without_mirroring_dropout_takes_eagers_form_and_eagers_numbers() -> None:
+    torch.manual_seed(0)
+    module, x = Dropped(), torch.randn(64, 16)
+    reference = twin(module)
+    step = tandem.compile(module, loss_sum, x)
+    found = targets(step)
+    assert aten.native_dropout.default not in found and aten.native_dropout_backward.default not in found
+    assert found.count(aten.bernoulli.p) == 2, "one draw per dropout, as eager"
+    torch.manual_seed(7)
+    result = step(x)
+    after_step = torch.random.get_rng_state()
+    loss, grads = eager_step(reference, loss_sum, (x,), seed=7)
+    assert torch.equal(torch.random.get_rng_state(), after_step), "the same random numbers were drawn"
+    assert torch.equal(result.loss, loss)  # bit for bit: the same draw, the same float ops as eager
+    for name, grad in grads.items():
+        assert torch.equal(result.grads[name], grad), name
+
+
+@pytest.mark.parametrize("policy", ["memory-aware", "all", 0.6])
+def test_mirroring_keeps_the_one_byte_mask(policy: object) -> None:
+    torch.manual_seed(0)
+    module, x = Dropped(), torch.randn(64, 16)
+    step = tandem.compile(module, loss_sum, x, mirror=policy)
+    masks = [n for n in step.graph.op_nodes() if n.target is operator.getitem
+             and getattr(n.args[0], "target", None) is aten.native_dropout.default and n.args[1] == 1]
+    assert len(masks) == 2 and all(n.meta["val"].dtype == torch.bool for n in masks)
