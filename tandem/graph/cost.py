@@ -130,6 +130,20 @@ def is_batch_norm_statistic(node: fx.Node) -> bool:
     return isinstance(source, fx.Node) and is_training_batch_norm(source) and bool(node.args[1] != 0)
 
 
+def training_dropout(node: fx.Node) -> tuple[fx.Node, float, fx.Node | None, fx.Node | None] | None:
+    """(input, p, output getitem, mask getitem) of a training ``native_dropout`` node, else None.
+
+    The getitems are None when nothing reads that element of the (output, mask) tuple.
+    """
+    if node.target is not aten.native_dropout.default:
+        return None
+    source, probability, train = node.args
+    if not train or not isinstance(source, fx.Node) or not isinstance(probability, float | int):
+        return None
+    parts = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+    return source, float(probability), parts.get(0), parts.get(1)
+
+
 def dropout_replay(node: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
     """(input, mask, scale) when ``node`` is a training dropout's output that its kept mask replays.
 
@@ -138,11 +152,11 @@ def dropout_replay(node: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
     the input as its "gradient" computes exactly that (bit-equal to the forward output on CPU).
     """
     tuple_node = node.args[0] if node.target is operator.getitem and node.args[1] == 0 else None
-    if not isinstance(tuple_node, fx.Node) or tuple_node.target is not aten.native_dropout.default:
+    dropout = training_dropout(tuple_node) if isinstance(tuple_node, fx.Node) else None
+    if dropout is None:
         return None
-    source, probability, train = tuple_node.args
-    mask = next((u for u in tuple_node.users if u.target is operator.getitem and u.args[1] == 1), None)
-    if not train or not isinstance(source, fx.Node) or not isinstance(probability, float | int) or mask is None:
+    source, probability, _, mask = dropout
+    if mask is None:
         return None
     scale = 0.0 if probability >= 1 else 1.0 / (1.0 - probability)  # autograd's scale for native_dropout
     return source, mask, scale

@@ -12,12 +12,12 @@ a float Bernoulli tensor in both forms, so the RNG stream and the mask are those
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from tandem.graph import cost
 from tandem.graph.train_graph import TrainGraph
 from tandem.passes.mirror import MirrorPolicy
 
@@ -34,11 +34,12 @@ def dropout_pass(graph: TrainGraph, config: Any) -> TrainGraph:
 
 
 def _to_noise_form(graph: TrainGraph, dropout: fx.Node) -> None:
-    source, probability, train = dropout.args
-    parts = {user.args[1]: user for user in dropout.users if user.target is operator.getitem}
-    output, mask = parts.get(0), parts.get(1)
+    parts = cost.training_dropout(dropout)
+    if parts is None:
+        return
+    source, probability, output, mask = parts
     backwards = list(mask.users) if mask is not None else []
-    if not train or not isinstance(probability, float | int) or not 0 < probability < 1 or output is None:
+    if not 0 < probability < 1 or output is None:
         return
     if any(user.target is not aten.native_dropout_backward.default for user in backwards):
         return  # the mask is read some other way: leave this dropout as captured
@@ -53,8 +54,9 @@ def _to_noise_form(graph: TrainGraph, dropout: fx.Node) -> None:
             gradient = _like(graph, backward, backward, aten.mul.Tensor, (backward.args[0], noise))
         backward.replace_all_uses_with(gradient)
         graph.graph.erase_node(backward)
-    for part in parts.values():  # the draw must go too (a random op is never dead code): one draw per dropout
-        graph.graph.erase_node(part)
+    for part in (output, mask):  # the draw must go too (a random op is never dead code): one draw per dropout
+        if part is not None:
+            graph.graph.erase_node(part)
     graph.graph.erase_node(dropout)
 
 
