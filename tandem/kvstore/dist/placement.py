@@ -44,6 +44,19 @@ def stable_server(key: Key, num_servers: int) -> int:
     return zlib.crc32(key.encode("utf-8")) % num_servers
 
 
+def _check_sizes(num_servers: int, size_name: str, size: int, knob: str) -> None:
+    """The checks every placement's configuration shares: a server count and a positive size."""
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    if size < 1:
+        raise ValueError(f"{size_name} must be >= 1 ({knob}), got {size}")
+
+
+def _check_numel(numel: int) -> None:
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+
+
 @dataclass(frozen=True)
 class RangePlacement:
     """ps-lite's default: small arrays go whole to one server, big ones split evenly over all.
@@ -56,14 +69,10 @@ class RangePlacement:
     bigarray_bound: int = 1_000_000
 
     def __post_init__(self) -> None:
-        if self.num_servers < 1:
-            raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
-        if self.bigarray_bound < 1:
-            raise ValueError(f"bigarray_bound must be >= 1 (TANDEM_KVSTORE_BIGARRAY_BOUND), got {self.bigarray_bound}")
+        _check_sizes(self.num_servers, "bigarray_bound", self.bigarray_bound, "TANDEM_KVSTORE_BIGARRAY_BOUND")
 
     def plan(self, key: Key, numel: int) -> list[Slice]:
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0, got {numel}")
+        _check_numel(numel)
         if numel < self.bigarray_bound or self.num_servers == 1:
             return [Slice(stable_server(key, self.num_servers), 0, numel)]
         bounds = [numel * part // self.num_servers for part in range(self.num_servers + 1)]
@@ -83,14 +92,10 @@ class RoundRobinPlacement:
     slice_size: int = 40_000
 
     def __post_init__(self) -> None:
-        if self.num_servers < 1:
-            raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
-        if self.slice_size < 1:
-            raise ValueError(f"slice_size must be >= 1 (TANDEM_KVSTORE_SLICE_THRESHOLD), got {self.slice_size}")
+        _check_sizes(self.num_servers, "slice_size", self.slice_size, "TANDEM_KVSTORE_SLICE_THRESHOLD")
 
     def plan(self, key: Key, numel: int) -> list[Slice]:
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0, got {numel}")
+        _check_numel(numel)
         first = stable_server(key, self.num_servers)
         if numel == 0:
             return [Slice(first, 0, 0)]
