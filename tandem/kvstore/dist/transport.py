@@ -72,6 +72,10 @@ class _Endpoint:
                 tracker = result if track else tracker
         return tracker
 
+    def _head(self, header: Header, payloads: Sequence[Any], request_id: int | None = None) -> bytes:
+        """The header frame for ``header`` carrying ``payloads`` (their count and bytes filled in here)."""
+        return encode_header(header, self.secret, len(payloads), payload_size(payloads), request_id)
+
     def _decode(self, peer: Any, frames: list[Any]) -> Incoming:
         try:
             return Incoming(peer, decode(frames, self.secret))
@@ -108,8 +112,7 @@ class ServerTransport(_Endpoint):
 
     def send(self, peer: bytes, header: Header, payloads: Sequence[Any] = (), track: bool = False) -> Any:
         """Send to the worker whose control routing id is ``peer``; returns a tracker for big tracked payloads."""
-        head = encode_header(header, self.secret, len(payloads), payload_size(payloads))
-        return self._send(self.control, peer, head, payloads, track)
+        return self._send(self.control, peer, self._head(header, payloads), payloads, track)
 
     def reply(self, peer: bytes, request: Header, rank: int, payloads: Sequence[Any] = (), track: bool = False,
               error: bool = False) -> Any:  # fmt: skip
@@ -171,15 +174,14 @@ class WorkerTransport(_Endpoint):
 
     def send_control(self, server: int, header: Header, payloads: Sequence[Any] = ()) -> None:
         """IO thread only."""
-        head = encode_header(header, self.secret, len(payloads), payload_size(payloads))
-        self._send(self.control[server], None, head, payloads, track=False)
+        self._send(self.control[server], None, self._head(header, payloads), payloads, track=False)
 
     def send_data(self, server: int, header: Header, payloads: Sequence[Any] = (), request_id: int | None = None) -> None:
         """Thread safe; raises ``zmq.Again`` when the server has not accepted data for the send timeout.
 
         ``request_id`` overrides the header's (so callers need not rebuild the frozen header).
         """
-        head = encode_header(header, self.secret, len(payloads), payload_size(payloads), request_id)
+        head = self._head(header, payloads, request_id)
         with self._data_lock:
             self._send(self.data[server], None, head, payloads, track=False)
 
