@@ -63,8 +63,13 @@ def optimizer_from_json(text: str) -> Any:
 
 def describe(slot_id: SlotId, shape: tuple[int, ...]) -> str:
     key, start, stop = slot_id
-    whole = start == 0 and stop == _numel(shape)
-    return f"key {key!r}" + ("" if whole else f" elements [{start}, {stop})")
+    return f"key {key!r}" + ("" if _is_whole(slot_id, shape) else f" elements [{start}, {stop})")
+
+
+def _is_whole(slot_id: SlotId, shape: tuple[int, ...]) -> bool:
+    """Does the slot hold all of its key's array (not a split or a P3 slice of it)?"""
+    _, start, stop = slot_id
+    return start == 0 and stop == _numel(shape)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -129,8 +134,7 @@ class SlotTable:
     @staticmethod
     def _check_scope(slot_id: SlotId, shape: tuple[int, ...], optimizer: Any) -> None:
         """A non-elementwise rule (LAMB) on a slice of a tensor would update it with the slice's norms."""
-        _, start, stop = slot_id
-        if optimizer is None or getattr(optimizer, "elementwise", True) or (start == 0 and stop == _numel(shape)):
+        if optimizer is None or getattr(optimizer, "elementwise", True) or _is_whole(slot_id, shape):
             return
         raise RemoteError(
             f"{type(optimizer).__name__} cannot run on the servers for {describe(slot_id, shape)}: its update "
