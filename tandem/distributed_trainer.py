@@ -5,7 +5,9 @@ Three modes, selectable for comparison (``Trainer(..., communication=...)``):
   - ``overlap``: each gradient is sent (pushpull, whole tensor, FIFO) the moment the backward
     segment that finishes it ends (PaddlePaddle's overlap).
   - ``p3``: the same on the ``dist_p3`` store: slices, priority ``-layer_index`` (layers nearest the
-    input first), a cap on slices in flight.
+    input first), a cap on slices in flight. With ``slice_size="auto"`` the store's tuner may decide
+    to hold the gradients until backward ends (``send_after_backward``), where overlap costs more CPU
+    than it saves wire time; they are then still sent by priority and applied per parameter.
 In ``overlap`` and ``p3`` the next forward starts each segment as soon as the parameters *it* reads
 are back: before pushing a forward segment, the executor's gate waits for those parameters' replies
 and pushes one engine op per parameter that writes it (its engine var; a tied parameter goes by its
@@ -66,6 +68,7 @@ class DistributedUpdate:
         self._vars: dict[str, Any] = {}
         self._priority: dict[str, int] = {}
         self._attached: set[int] = set()
+        self._held: list[tuple[str, torch.Tensor]] = []  # gradients kept until backward ends
         self._in_backward = False  # the gate has reached this step's backward segments
 
     @property
@@ -100,10 +103,19 @@ class DistributedUpdate:
         step.gate = self._gate
         if self.mode != "baseline":
             step.add_gradient_hook(self._send)
+        tuner = getattr(self.store, "tuner", None)
+        if self.mode == "p3" and tuner is not None:
+            tuner.tune_send_timing()  # only a trainer can hold gradients until backward ends
 
     # -- communication ---------------------------------------------------------------------------
     def _send(self, name: str, grad: torch.Tensor) -> None:
-        """Gradient hook (engine thread): send this gradient now; the reply lands in _received[name]."""
+        """Gradient hook (engine thread): send this gradient now (or hold it); the reply lands in _received[name]."""
+        if self.mode == "p3" and getattr(self.store, "send_after_backward", False):
+            self._held.append((name, grad))
+            return
+        self._pushpull(name, grad)
+
+    def _pushpull(self, name: str, grad: torch.Tensor) -> None:
         start = trace.now_us()
         priority = self._priority[name] if self.mode == "p3" else 0
         self._pending[name] = self.store.pushpull(name, self._outgoing(grad), out=self._received[name], priority=priority)
@@ -153,8 +165,11 @@ class DistributedUpdate:
                 self.trainer._update_some([name], {name: self._received[name] / self.num_workers})
 
     def after_backward(self, result: Any) -> None:
-        """After a step: baseline pushes everything, then pulls everything; the others already sent."""
+        """After a step: baseline pushes everything, then pulls everything; the others already sent (or held)."""
         if self.mode != "baseline":
+            held, self._held = self._held, []
+            for name, grad in held:
+                self._pushpull(name, grad)
             return
         params = self.trainer._params
         grads = [self._outgoing(result.grads[n]) for n in self._names]

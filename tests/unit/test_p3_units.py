@@ -96,7 +96,7 @@ def _run_search(cost: Callable[[Config], float], **options: object) -> AutoTuner
 
 
 def test_tuner_finds_the_best_point_of_a_bowl() -> None:
-    best = (80_000, 4)
+    best = (80_000, 4, False)
 
     def cost(config: Config) -> float:
         slices, marks = SLICE_SIZES.index(config[0]), WATER_MARKS.index(config[1])
@@ -115,11 +115,11 @@ def test_tuner_with_fixed_slicing_tunes_only_the_water_mark() -> None:
     tuner = AutoTuner(lambda config: None, lambda seconds: seconds)
     tuner.fix_slice_size()
     result = _run_search(lambda config: 1.0 + abs(config[1] - 20) / 100, slice_sizes=tuner.slice_sizes).result
-    assert result == (40_000, 20)
+    assert result == (40_000, 20, False)
 
 
 def test_flat_costs_keep_the_start() -> None:
-    assert _run_search(lambda config: 1.0).result == (40_000, 10)
+    assert _run_search(lambda config: 1.0).result == (40_000, 10, False)
 
 
 def test_done_callbacks_run_once_on_success_failure_or_at_once() -> None:
@@ -147,3 +147,18 @@ def test_slicing_can_only_be_fixed_before_the_search() -> None:
     assert not tuner.slicing_fixed
     with pytest.raises(RuntimeError, match="before tuning starts"):
         tuner.fix_slice_size()
+    with pytest.raises(RuntimeError, match="before tuning starts"):
+        tuner.tune_send_timing()
+
+
+def test_tuner_chooses_the_send_timing_first_then_tunes_for_it() -> None:
+    """A fast link: sending after backward wins, and then bigger slices and a higher water mark do."""
+
+    def cost(config: Config) -> float:
+        if not config.after_backward:
+            return 2.0 + 0.1 * SLICE_SIZES.index(config.slice_size)  # overlap: slower, wherever it goes
+        return 1.0 - 0.05 * SLICE_SIZES.index(config.slice_size) - 0.02 * WATER_MARKS.index(config.water_mark)
+
+    tuner = _run_search(cost, timings=(False, True))
+    assert tuner.history[0][0] == (40_000, 10, False) and tuner.history[1][0] == (40_000, 10, True)
+    assert tuner.result == (SLICE_SIZES[-1], WATER_MARKS[-1], True)

@@ -91,13 +91,17 @@ class P3KVStore(DistKVStore):
         self.tuner: AutoTuner | None = None
         if p3.auto:
             marks = tuple(sorted({*WATER_MARKS, p3.water_mark}))
-            self.tuner = AutoTuner(self._apply, self._agree, water_marks=marks, start=(start, p3.water_mark))
+            self.tuner = AutoTuner(self._apply, self._agree, water_marks=marks, start=Config(start, p3.water_mark))
             if not options.sync:
                 self.tuner.fix_slice_size()  # async workers cannot agree on a slicing
         self._tuner_key_ready = False
+        # Read by the trainer each step: hold this step's gradients until backward ends (the tuner's
+        # choice where overlapping communication with backward costs more CPU than it saves wire time).
+        self.send_after_backward = False
 
     def _apply(self, config: Config) -> None:
-        self.sender.slice_size, self.sender.water_mark = config
+        self.sender.slice_size, self.sender.water_mark = config.slice_size, config.water_mark
+        self.send_after_backward = config.after_backward
 
     def _agree(self, cost: float) -> float:
         """The mean of ``cost`` over workers (sync rounds without an optimizer sum the pushes)."""
@@ -121,7 +125,7 @@ class P3KVStore(DistKVStore):
             return Handle.completed(what)
         if command in (Command.PUSH, Command.PUSHPULL) and items:
             self.tuner.observe(items[0][0])
-        return self._sliced(self.tuner.current[0], command, items, priority, what)
+        return self._sliced(self.tuner.current.slice_size, command, items, priority, what)
 
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:
         super().init(keys, values)

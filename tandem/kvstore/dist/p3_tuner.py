@@ -1,4 +1,4 @@
-"""``slice_size="auto"``: pick P3's slice size and water mark from measured iteration times.
+"""``slice_size="auto"``: pick P3's slice size, water mark and send timing from measured iteration times.
 
 ByteScheduler tunes one knob (its credit) with Bayesian optimisation, which needs many noisy
 samples to fit a model. Here the objective is cheap to read directly (the store sees every push,
@@ -8,6 +8,13 @@ enough: measure the start point; walk the slice-size grid up while iteration tim
 than ``tolerance``, else down; then the same for the water mark at the chosen slice size. Each
 point runs ``steps_per_trial`` iterations and scores the median of all but the first (which still
 carries traffic of the previous point). Typically 5-7 points, i.e. 20-30 iterations, then fixed.
+
+A trainer may also let it choose *when* gradients leave (``tune_send_timing``): during backward,
+as each segment ends (P3's point: overlap), or all at once after backward. Overlap only pays
+where the link, not the CPU, is the bottleneck: on a fast link, sending during backward makes
+communication threads compete with backward for the cores and stretches the step. That axis is
+searched first, at the start point, and the slicing and water mark are then tuned for the timing
+chosen.
 
 Every worker must slice the same way, so each score is averaged over workers (``agree``) before
 the search takes a step: all workers then walk the same path. The water mark is per worker: when
@@ -20,8 +27,16 @@ import statistics
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-Config = tuple[int, int]  # (slice_size, water_mark)
+
+class Config(NamedTuple):
+    """One point of the search."""
+
+    slice_size: int
+    water_mark: int
+    after_backward: bool = False  # gradients leave after backward, not as each segment ends
+
 SLICE_SIZES = (5_000, 10_000, 20_000, 40_000, 80_000, 160_000, 320_000)
 WATER_MARKS = (1, 2, 4, 10, 20, 40)
 DEFAULT_SLICE_SIZE = 40_000  # MXNet's MXNET_KVSTORE_SLICE_THRESHOLD: where the search starts
@@ -51,7 +66,7 @@ def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int],
 
 @dataclass
 class AutoTuner:
-    """Feeds iteration times to a coordinate search over (slice size, water mark) and applies its points.
+    """Feeds iteration times to a coordinate search over (send timing, slice size, water mark) and applies its points.
 
     ``apply(config)`` switches the store to a point; ``agree(cost)`` averages a score over workers.
     Thread safety: none; called from the thread that pushes.
@@ -61,7 +76,8 @@ class AutoTuner:
     agree: Callable[[float], float]
     slice_sizes: tuple[int, ...] = SLICE_SIZES
     water_marks: tuple[int, ...] = WATER_MARKS
-    start: Config = (DEFAULT_SLICE_SIZE, 10)
+    timings: tuple[bool, ...] = (False,)  # after_backward candidates; see tune_send_timing
+    start: Config = Config(DEFAULT_SLICE_SIZE, 10)
     steps_per_trial: int = 4
     warmup: int = (
         6  # the first iterations run slow (allocations, caches): they must not score the start point
@@ -78,12 +94,14 @@ class AutoTuner:
     _current: Config | None = None
 
     def __post_init__(self) -> None:
+        self.start = Config(*self.start)
         if self.steps_per_trial < 2:
             raise ValueError(
                 f"steps_per_trial must be >= 2 (the first is discarded), got {self.steps_per_trial}"
             )
-        for name, grid, value in (("slice size", self.slice_sizes, self.start[0]),
-                                  ("water mark", self.water_marks, self.start[1])):  # fmt: skip
+        for name, grid, value in (("slice size", self.slice_sizes, self.start.slice_size),
+                                  ("water mark", self.water_marks, self.start.water_mark),
+                                  ("send timing", self.timings, self.start.after_backward)):  # fmt: skip
             if value not in grid:
                 raise ValueError(f"start {name} {value} is not among the candidates {grid}")
 
@@ -92,20 +110,27 @@ class AutoTuner:
         return self._current or self.start
 
     def fix_slice_size(self) -> None:
-        """Tune only the water mark (server-side optimizers and async mode cannot change slicing).
+        """Keep the slicing (server-side optimizers and async mode cannot change it).
 
         Must come before the search starts: the workers' paths would differ otherwise.
         """
+        self._before_search("the slice size can only be fixed")
+        self.slice_sizes = (self.current.slice_size,)
+        self.start = self.start._replace(slice_size=self.current.slice_size)
+
+    def tune_send_timing(self) -> None:
+        """Also choose between sending during backward and after it (for a caller that can hold gradients)."""
+        if self.timings != (False, True):  # a recaptured step attaches again: idempotent
+            self._before_search("the send timing can only be added")
+            self.timings = (False, True)
+
+    def _before_search(self, what: str) -> None:
         if self._search is not None:
-            raise RuntimeError(
-                "the slice size can only be fixed before tuning starts (before the first pushes)"
-            )
-        self.slice_sizes = (self.current[0],)
-        self.start = (self.current[0], self.start[1])
+            raise RuntimeError(f"{what} before tuning starts (before the first pushes)")
 
     @property
     def slicing_fixed(self) -> bool:
-        """Only the water mark is searched: it is per worker, so scores need no agreement."""
+        """The slicing is not searched; the water mark and send timing are per worker: scores need no agreement."""
         return len(self.slice_sizes) == 1
 
     def observe(self, key: object) -> None:
@@ -126,8 +151,9 @@ class AutoTuner:
         if self._seen < self.warmup:
             return
         if self._search is None:
-            axes = (self.slice_sizes, self.water_marks)
-            start = (self.slice_sizes.index(self.start[0]), self.water_marks.index(self.start[1]))
+            axes = (self.timings, self.slice_sizes, self.water_marks)  # timing first: the best slicing depends on it
+            start = (self.timings.index(self.start.after_backward), self.slice_sizes.index(self.start.slice_size),
+                     self.water_marks.index(self.start.water_mark))  # fmt: skip
             self._search = coordinate_search(axes, start, self.tolerance)
             self._switch(next(self._search))
             return
@@ -140,11 +166,11 @@ class AutoTuner:
         try:
             self._switch(self._search.send(cost))
         except StopIteration as done:
-            self.result = (done.value[0], done.value[1])
             self._switch(done.value)
+            self.result = self.current
 
     def _switch(self, point: tuple[int, ...]) -> None:
-        config = (point[0], point[1])
+        config = Config(point[1], point[2], bool(point[0]))
         if config != self._current:
             self.apply(config)
         self._current = config

@@ -1,6 +1,7 @@
 """Trainer(kvstore=...) on real processes: each worker trains on its half of every batch.
 
 Usage: trainer_modes.py KIND MODE UPDATE_ON_KVSTORE OUT_DIR STEPS MODEL
+(MODE ``p3-after``: p3 with gradients held until backward ends, as the tuner may choose)
 Writes OUT_DIR/rank{r}.pt with the final parameters and OUT_DIR/report{r}.txt with the step report.
 """
 
@@ -15,12 +16,14 @@ import tandem
 from tandem import models, optim
 
 kind, mode, update_on_kvstore, out, steps, model_name = sys.argv[1:7]
+mode, _, after_backward = mode.partition("-")
 torch.manual_seed(0)
 entry = models.ZOO[model_name]
 module = entry.build(**entry.tiny).double()
 batch = entry.make_batch(8, torch.Generator().manual_seed(1), dtype=torch.float64, **entry.tiny)
 trainer = tandem.Trainer(module, entry.loss_fn, optim.SGD(lr=0.1, momentum=0.9), kvstore=kind, communication=mode,
                          update_on_kvstore=update_on_kvstore == "1", bulk_fwd=3, bulk_bwd=2)
+trainer.kvstore.send_after_backward = after_backward == "after"  # type: ignore[union-attr]
 rank, workers = trainer.rank, trainer.num_workers
 rows = slice(rank * 8 // workers, (rank + 1) * 8 // workers)
 for _ in range(int(steps)):
