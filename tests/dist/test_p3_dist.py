@@ -84,10 +84,20 @@ def test_auto_tuning_agrees_on_every_worker_and_keeps_sums_exact(tmp_path: Path)
     assert len(chosen) == 1, output  # both workers walked the same search path
 
 
+def _notices(output: str) -> list[int]:
+    return [int(line.split("notices ")[1]) for line in worker_lines(output, " notices ")]
+
+
 def test_workers_sending_in_opposite_orders_do_not_deadlock(tmp_path: Path) -> None:
     # water mark 1: if the cap counted pushpulls until answered, each worker's one slot would wait
     # for the other's push of that slice, which sits behind the other's own occupied slot
-    _run("opposite", "dist_p3", 2, 2, tmp_path, {"TANDEM_PS_WATER_MARK": "1"})
+    output = _run("opposite", "dist_p3", 2, 2, tmp_path, {"TANDEM_PS_WATER_MARK": "1"})
+    assert sum(_notices(output)) > 0, output  # the cap binds: parked requests are announced
+
+
+def test_no_received_notices_where_the_water_mark_never_binds(tmp_path: Path) -> None:
+    output = _run("opposite", "dist_p3", 2, 2, tmp_path, {"TANDEM_PS_WATER_MARK": "1000"})
+    assert _notices(output) == [0, 0], output  # no request asked: one message per parked slice saved
 
 
 def test_launch_p3_turns_dist_sync_into_p3(tmp_path: Path) -> None:
@@ -184,6 +194,7 @@ def _opposite(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-unty
         for handle in handles:
             handle.wait(timeout=30)
         assert all(torch.equal(out, torch.full((200,), 2.0)) for out in outs)
+    print(f"rank {rank} notices {kv.sender.notices}")
     return {}
 
 

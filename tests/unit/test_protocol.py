@@ -36,8 +36,9 @@ def _push(key: int | str = "w", shape: tuple[int, ...] = (7, 3, 5), **changes: o
 
 @pytest.mark.parametrize("key", [0, 17, -5, "layer.0.weight", "ключ"])
 @pytest.mark.parametrize("secret", [b"", b"s3cret"])
-def test_header_round_trip(key: int | str, secret: bytes) -> None:
-    header = _push(key)
+@pytest.mark.parametrize("receipt", [False, True])
+def test_header_round_trip(key: int | str, secret: bytes, receipt: bool) -> None:
+    header = _push(key, receipt=receipt)
     assert decode_header(encode_header(header, secret), secret) == header
 
 
@@ -131,7 +132,7 @@ def test_single_byte_corruption_is_caught_or_harmless(position: int, byte: int) 
 @pytest.mark.parametrize("secret", [b"", b"s3cret"])
 @pytest.mark.parametrize("error", [False, True])
 def test_encode_reply_equals_the_reply_header(secret: bytes, error: bool) -> None:
-    request = _push(shape=(105,))
+    request = _push(shape=(105,), receipt=True)  # a reply never asks for a receipt itself
     fast = decode_header(encode_reply(request, 3, secret, 1, 420, error), secret)
     slow = request.reply(Role.SERVER, 3, error=error, payload_count=1, payload_nbytes=420)
     assert fast == replace(slow, timestamp=fast.timestamp)

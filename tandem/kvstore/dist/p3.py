@@ -189,8 +189,11 @@ class P3Server(Server):
 
     def _pushpull(self, peer: bytes, message: Message) -> None:
         """As the plain server's; a pushpull that must wait for other workers is announced RECEIVED
-        at once, so that the worker's water mark counts it as delivered (see ``p3_sender``)."""
+        at once if the worker asked (``header.receipt``), so that its water mark counts it as delivered
+        (see ``p3_sender``)."""
         super()._pushpull(peer, message)
+        if not message.header.receipt:
+            return
         rounds = self.rounds.get(self._slot_id(message.header)) if self.options.sync else None
         if rounds is not None and any(request is message.header for *_, request in rounds.waiting_pulls):
             self.transport.send(peer, message.header.reply(Role.SERVER, self.rank, command=Command.RECEIVED))

@@ -7,13 +7,21 @@ first by forward) overtake the rest.
 
 "Arrived", not "answered": in sync mode a server answers a pushpull only once every worker pushed
 that round. If the cap counted unanswered pushpulls, two workers whose caps were full of requests
-waiting for each other's pushes would deadlock. So a ``P3Server`` sends a small RECEIVED notice
-for a pushpull it has to park, and the cap slot is released by that notice or by the reply,
-whichever comes first. Pulls carry no tensor bytes and never count.
+waiting for each other's pushes would deadlock. So a request may ask (``Header.receipt``) for a
+small RECEIVED notice should the server have to park it, and its cap slot is released by that
+notice or by the reply, whichever comes first. Pulls carry no tensor bytes and never count.
+
+Notices cost a message each, so only requests sent while the cap binds ask for one: the request
+that fills the cap, and any sent while others queue. Whenever the cap is full and no notice is
+pending, one more request may go (asking for one): some slot is then always freed by arrival
+alone, which is what rules the deadlock out, whatever the water mark did meanwhile (the tuner may
+lower it below what is in flight). Where the cap never binds (a fast link, a high water mark), no
+notices are sent at all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -36,6 +44,7 @@ class _Slot:
     """One capped request's place under the water mark; released once (by RECEIVED or the reply)."""
 
     lane: Hashable
+    receipt: bool  # its request asked for a RECEIVED notice
     released: bool = field(default=False)
 
 
@@ -74,6 +83,8 @@ class PrioritySender:
         self._queue: LanePriorityQueue[_Request] = LanePriorityQueue()
         self._cond = threading.Condition(threading.RLock())
         self._in_flight = 0  # capped requests sent and not yet known to have arrived
+        self._receipts = 0  # of those, how many asked for a RECEIVED notice
+        self.notices = 0  # RECEIVED notices received so far (each one message a fast link did without)
         self._awaiting: dict[Hashable, deque[_Slot]] = {}  # lane -> its unreleased slots, oldest first
         self._handing_over = 0  # popped, not yet registered by the client
         self._stopping = False
@@ -130,7 +141,8 @@ class PrioritySender:
     def _sendable(self) -> bool:
         if not self._queue:
             return False
-        return self._in_flight < self._water_mark or not self._queue.peek().capped
+        # a full cap with no notice coming could wait on other workers forever: let one more go
+        return self._in_flight < self._water_mark or not self._queue.peek().capped or not self._receipts
 
     def _run(self) -> None:
         while True:
@@ -156,9 +168,10 @@ class PrioritySender:
 
     def _hold(self, request: _Request) -> _Slot:
         """Count ``request`` against the water mark until ``_release`` (registered before it is sent)."""
-        slot = _Slot(request.lane)
         with self._cond:
             self._in_flight += 1
+            slot = _Slot(request.lane, receipt=self._in_flight >= self._water_mark or bool(self._queue))
+            self._receipts += slot.receipt
             self._awaiting.setdefault(slot.lane, deque()).append(slot)
         return slot
 
@@ -168,18 +181,26 @@ class PrioritySender:
                 return
             slot.released = True
             self._in_flight -= 1
+            self._receipts -= slot.receipt
             waiting = self._awaiting[slot.lane]
             waiting.remove(slot)
             if not waiting:
                 del self._awaiting[slot.lane]
-            self._cond.notify_all()
+            if self._queue:  # only a backlog waits for a slot: no wake-up of the sender thread otherwise
+                self._cond.notify_all()
 
     def _on_received(self, server: int, header: Header) -> None:
-        """IO thread: a server parked a request of this lane; its oldest unreleased slot is free again."""
+        """IO thread: a server parked a request of this lane that asked for a notice: its slot is free again.
+
+        Servers handle a lane in order and a notice precedes its reply, so it is the lane's oldest
+        unreleased slot that asked for one.
+        """
         with self._cond:
-            waiting = self._awaiting.get((server, header.key, header.slice_start))
-            if waiting:
-                self._release(waiting[0])
+            self.notices += 1
+            waiting = self._awaiting.get((server, header.key, header.slice_start), ())
+            slot = next((slot for slot in waiting if slot.receipt), None)
+            if slot is not None:
+                self._release(slot)
 
     def _send(self, request: _Request) -> None:
         start = trace.now_us()
@@ -187,7 +208,8 @@ class PrioritySender:
         try:
             if request.capped:
                 slot = self._hold(request)
-                self._client.submit(request.server, header, request.payloads, self._released_reply(request, slot),
+                sent = dataclasses.replace(header, receipt=True) if slot.receipt else header
+                self._client.submit(request.server, sent, request.payloads, self._released_reply(request, slot),
                                     self._released_error(request, slot))  # fmt: skip
             else:
                 self._client.submit(

@@ -29,7 +29,7 @@ import torch
 from tandem.kvstore.errors import ProtocolError
 
 MAGIC = b"TDKV"
-VERSION = 1
+VERSION = 2  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked)
 MAC_BYTES = 32
 MAX_NDIM = 16
 MAX_KEY_BYTES = 1024
@@ -66,6 +66,7 @@ class Flag(IntFlag):
     RESPONSE = 1
     ERROR = 2
     SIGNED = 4
+    RECEIPT = 8  # worker -> P3 server: announce RECEIVED if this request has to wait for other workers
 
 
 class Role(IntEnum):
@@ -114,6 +115,7 @@ class Header:
     payload_count: int = 0
     payload_nbytes: int = 0
     timestamp: float = field(default_factory=time.time)
+    receipt: bool = False  # asks for a RECEIVED notice (see Flag.RECEIPT)
 
     @property
     def slice_numel(self) -> int:
@@ -181,7 +183,8 @@ def encode_header(header: Header, secret: bytes = b"", payload_count: int | None
     them best; overriding here spares rebuilding a frozen Header per message).
     """
     return _pack(
-        header.command, (_RESPONSE if header.response else 0) | (_ERROR if header.error else 0),
+        header.command,
+        (_RESPONSE if header.response else 0) | (_ERROR if header.error else 0) | (_RECEIPT if header.receipt else 0),
         header.request_id if request_id is None else request_id, header.timestamp, header.sender_role,
         header.sender_rank, header.priority, header.key, header.dtype, header.shape, header.slice_start,
         header.slice_stop, header.payload_count if payload_count is None else payload_count,
@@ -243,8 +246,8 @@ def _lookup(table: dict[int, Any], value: int, what: str) -> Any:
 _COMMANDS = {int(command): command for command in Command}
 _ROLES = {int(role): role for role in Role}
 _KEY_KINDS = {int(kind): kind for kind in KeyKind}
-_RESPONSE, _ERROR, _SIGNED = int(Flag.RESPONSE), int(Flag.ERROR), int(Flag.SIGNED)
-_KNOWN_FLAGS = _RESPONSE | _ERROR | _SIGNED
+_RESPONSE, _ERROR, _SIGNED, _RECEIPT = int(Flag.RESPONSE), int(Flag.ERROR), int(Flag.SIGNED), int(Flag.RECEIPT)
+_KNOWN_FLAGS = _RESPONSE | _ERROR | _SIGNED | _RECEIPT
 
 
 def _decode_key(kind: KeyKind, raw: bytes) -> Key | None:
@@ -320,6 +323,7 @@ def decode_header(frame: bytes, secret: bytes = b"") -> Header:
         sender_role=_lookup(_ROLES, role, "role"), sender_rank=rank, key=key, priority=priority, dtype=dtype,
         shape=shape, slice_start=start, slice_stop=stop, response=bool(flags & _RESPONSE),
         error=bool(flags & _ERROR), payload_count=payload_count, payload_nbytes=payload_nbytes, timestamp=timestamp,
+        receipt=bool(flags & _RECEIPT),
     )  # fmt: skip
     return header
 
