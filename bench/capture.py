@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import resource
 import sys
 import time
 from functools import partial
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tandem  # noqa: E402
 from bench.common import bar_plot, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
+from tandem.engine.host_memory import minor_page_faults_per_call  # noqa: E402
 from tandem.models import ZOO  # noqa: E402
 
 CASES = {
@@ -34,14 +34,6 @@ CASES = {
 def eager_step(module: torch.nn.Module, loss_fn, batch) -> None:
     module.zero_grad(set_to_none=True)
     loss_fn(module, *batch).backward()
-
-
-def faults_per_call(fn, calls: int = 3) -> float:
-    """Minor page faults per call: memory the allocator gave back to the OS and the step touched again."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(calls):
-        fn()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
 
 
 def main() -> None:
@@ -66,7 +58,7 @@ def main() -> None:
         candidates = {"eager": partial(eager_step, eager_module, entry.loss_fn, batch), "tandem": partial(step, *batch)}
         medians = interleaved_medians(candidates, repeats=args.repeats,
                                       clock=time.process_time if args.clock == "cpu" else time.perf_counter)
-        faults = {label: faults_per_call(fn) for label, fn in candidates.items()}
+        faults = {label: minor_page_faults_per_call(fn, 3) for label, fn in candidates.items()}
         ratio = medians["tandem"] / medians["eager"]
         ratios.append(ratio)
         rows.append([name, batch_size, len(step.graph.op_nodes()), medians["eager"] * 1e3, medians["tandem"] * 1e3, ratio,

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import platform
-import resource
-import sys
-
 import pytest
 import torch
 
-from tandem.engine.host_memory import retain_freed_host_memory
+from tandem.engine.host_memory import minor_page_faults_per_call, on_glibc, retain_freed_host_memory
 
-glibc_only = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                                reason="the thresholds are glibc malloc's")
+glibc_only = pytest.mark.skipif(not on_glibc(), reason="the thresholds are glibc malloc's")
 
 
 def _faults_per_round(rounds: int) -> float:
@@ -21,10 +16,7 @@ def _faults_per_round(rounds: int) -> float:
         del tensors
 
     one_step()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(rounds):
-        one_step()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / rounds
+    return minor_page_faults_per_call(one_step, rounds)
 
 
 @glibc_only
