@@ -155,7 +155,7 @@ class TrainStep:
         loss = outputs[0]
         count = len(graph.grads)
         grads = dict(zip(graph.grads, outputs[1 : 1 + count]))
-        buffers = dict(self.module.named_buffers(remove_duplicate=False))
+        buffers = dict(self.module.named_buffers(remove_duplicate=False)) if graph.buffer_updates else {}
         with torch.no_grad():
             for name, value in zip(graph.buffer_updates, outputs[1 + count :]):
                 buffers[name].copy_(value)  # BatchNorm running stats: written back like eager
