@@ -47,7 +47,7 @@ def test_hostile_frames_are_rejected_and_servers_keep_serving() -> None:
             for line in result.stdout.splitlines()
             if line.startswith(f"[server {server}]") and "rejected" in line
         ]
-        assert len(rejected) >= 17, result.stdout  # 9 at its control socket, 8 at its data socket
+        assert len(rejected) >= 9, result.stdout  # 8 hostile frames and a request from a peer that never said hello
 
 
 def test_runs_under_torchrun() -> None:

@@ -97,7 +97,7 @@ import os, torch
 import tandem.kvstore as kvstore
 kv = kvstore.create("dist_sync")
 assert os.environ["TANDEM_MASTER_ADDR"].startswith("10.231."), os.environ["TANDEM_MASTER_ADDR"]
-assert kv.addresses[0].control.startswith("tcp://10.231."), kv.addresses
+assert kv.addresses[0].endpoint.startswith("tcp://10.231."), kv.addresses
 kv.init("w", torch.zeros(1000))
 out = torch.empty(1000)
 kv.pushpull("w", torch.ones(1000), out=out).wait(timeout=30)

@@ -2,10 +2,10 @@
 
 Data requests (push, pull, ...) leave from the calling thread through ``submit``, the one place
 every request passes (P3 puts its priority queue and its cap on messages in flight in front of
-it): it registers the request, then sends on the server's PUSH socket under a lock. The IO thread
-owns the DEALER sockets: it says hello and goodbye, sends heartbeats, and completes requests as
-their replies arrive, receiving a pull's payload straight into its output tensor — so requests
-make progress while the application computes.
+it): it registers the request, then sends on the server's connection (``transport``). The IO
+thread says hello and goodbye, sends heartbeats, and completes requests as their replies arrive,
+receiving a pull's payload straight into its output tensor — so requests make progress while the
+application computes.
 
 Failure: a server silent for ``timeout`` seconds, or an ABORT from a server, fails every pending
 request with ``PeerFailure`` naming the node; the worker then tells the other servers (ABORT) and,
@@ -70,7 +70,7 @@ class Client:
         self, addresses: list[ServerAddress], rank: int, options: DistOptions, hello: dict[str, object]
     ) -> None:
         self.addresses, self.rank, self.options = addresses, rank, options
-        self.transport = WorkerTransport(options.secret_bytes, [a.control for a in addresses], [a.data for a in addresses],
+        self.transport = WorkerTransport(options.secret_bytes, [address.endpoint for address in addresses],
                                          identity=f"worker-{rank}".encode(), send_timeout=options.timeout)  # fmt: skip
         self._pending: dict[int, _Request] = {}
         self._lock = threading.Lock()  # guards _pending and _failure
@@ -120,7 +120,7 @@ class Client:
         if header.sender_rank != self.rank or header.sender_role is not Role.WORKER:
             header = replace(header, sender_role=Role.WORKER, sender_rank=self.rank)
         try:
-            self.transport.send_data(server, header, payloads, request_id)
+            self.transport.send(server, header, payloads, request_id)
         except zmq.Again:
             with self._lock:
                 self._pending.pop(request_id, None)
@@ -222,7 +222,7 @@ class Client:
     def _send_to_all(self, command: Command, rendezvous: _Rendezvous, payloads: list[memoryview]) -> None:
         for server in range(len(self.addresses)):
             request_id = self._register(_Request(server, rendezvous.reply, rendezvous.fail))
-            self.transport.send_control(server, Header(command, request_id, Role.WORKER, self.rank), payloads)
+            self.transport.send(server, Header(command, request_id, Role.WORKER, self.rank), payloads)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -232,7 +232,7 @@ class Client:
                     f"server {server} ({self.addresses[server]}) stopped answering: no heartbeat for "
                     f"{self.options.timeout:.1f} s"
                 )
-            self.transport.send_control(server, Header(Command.HEARTBEAT, 0, Role.WORKER, self.rank))
+            self.transport.send(server, Header(Command.HEARTBEAT, 0, Role.WORKER, self.rank))
 
     def _fail(self, failure: PeerFailure) -> None:
         with self._lock:
@@ -254,7 +254,7 @@ class Client:
         payload = [memoryview(f"worker {self.rank}: {reason}".encode())]
         for server in range(len(self.addresses)):
             try:
-                self.transport.send_control(server, Header(Command.ABORT, 0, Role.WORKER, self.rank), payload)
+                self.transport.send(server, Header(Command.ABORT, 0, Role.WORKER, self.rank), payload)
             except Exception:  # noqa: BLE001 - the socket may be gone already
                 pass
 

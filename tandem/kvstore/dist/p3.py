@@ -30,7 +30,7 @@ from tandem.kvstore.dist.p3_sender import PrioritySender
 from tandem.kvstore.dist.p3_tuner import DEFAULT_SLICE_SIZE, WATER_MARKS, AutoTuner, Config
 from tandem.kvstore.dist.placement import RoundRobinPlacement
 from tandem.kvstore.dist.protocol import Command, Key, Message, Role
-from tandem.kvstore.dist.server import Server
+from tandem.kvstore.dist.server import CONTROL_COMMANDS, Server
 from tandem.kvstore.dist.topology import DistOptions, Topology, set_torch_threads
 from tandem.kvstore.dist.transport import Incoming, ServerTransport
 from tandem.kvstore.dist.worker import DistKVStore, Item
@@ -151,7 +151,7 @@ class P3KVStore(DistKVStore):
 class PriorityReceive:
     """A server transport whose ``poll`` hands over what arrived in priority order (P3's receive queue).
 
-    Control messages (hello, heartbeats, barriers) and rejected frames come first, in arrival order;
+    Control messages (hello, heartbeats, goodbye, abort) and rejected frames come first, in arrival order;
     data requests follow by priority, FIFO on ties, never reordered within one worker's slot.
     """
 
@@ -159,13 +159,14 @@ class PriorityReceive:
         self.inner = inner
 
     def poll(self, timeout: float) -> list[Incoming]:
-        batch = self.inner.poll(timeout)
-        first = [item for item in batch if item.peer is not None or item.message is None]
+        first: list[Incoming] = []
         queue: LanePriorityQueue[Incoming] = LanePriorityQueue()
-        for item in batch:
-            if item.peer is None and item.message is not None:
-                header = item.message.header
+        for item in self.inner.poll(timeout):
+            if _is_data(item):
+                header = item.message.header  # type: ignore[union-attr]  # _is_data checked it
                 queue.put(item, header.priority, (header.sender_rank, header.key, header.slice_start))
+            else:
+                first.append(item)
         return first + [queue.pop() for _ in range(len(queue))]
 
     def send(self, peer: bytes, header: Any, payloads: Any = (), track: bool = False) -> Any:
@@ -177,6 +178,11 @@ class PriorityReceive:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _is_data(incoming: Incoming) -> bool:
+    """A well-formed data request (push, pull, init, barrier...), not a control message or a rejected frame."""
+    return incoming.message is not None and incoming.message.header.command not in CONTROL_COMMANDS
 
 
 class P3Server(Server):
@@ -201,8 +207,8 @@ class P3Server(Server):
     def _dispatch(self, incoming: Incoming) -> None:
         start = trace.now_us()
         super()._dispatch(incoming)
-        if trace.enabled() and incoming.peer is None and incoming.message is not None:
-            self._record(incoming.message, start)
+        if trace.enabled() and _is_data(incoming):
+            self._record(incoming.message, start)  # type: ignore[arg-type]  # _is_data checked it
 
     def _record(self, message: Message, start: float) -> None:
         header = message.header

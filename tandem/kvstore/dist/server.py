@@ -73,9 +73,7 @@ class Server:
         self.rank = topology.rank
         self.table = SlotTable(send_timeout=options.timeout)
         self.transport = ServerTransport(options.secret_bytes, options.bind_addr)
-        control_port, data_port = self.transport.ports
-        self.address = ServerAddress(public_endpoint(options.bind_addr, control_port),
-                                     public_endpoint(options.bind_addr, data_port))  # fmt: skip
+        self.address = ServerAddress(public_endpoint(options.bind_addr, self.transport.port))
         self.workers: dict[int, _WorkerState] = {}
         self.rounds: dict[SlotId, _Rounds] = {}
         self.barrier: dict[int, tuple[bytes, Header]] = {}
@@ -98,13 +96,7 @@ class Server:
         """Publish the endpoint, then run the loop; returns the process exit code."""
         store = connect_store(self.topology, self.options.rendezvous_timeout)
         publish_server(store, self.rank, self.address)
-        log.info(
-            "server %d (%s, data %s) serving %s",
-            self.rank,
-            self.address.control,
-            self.address.data,
-            self.options.kind,
-        )
+        log.info("server %d (%s) serving %s", self.rank, self.address, self.options.kind)
         started = time.monotonic()
         try:
             while not self._finished():
@@ -137,7 +129,7 @@ class Server:
             )
 
     def _dispatch(self, incoming: Incoming) -> None:
-        message, on_data = incoming.message, incoming.peer is None
+        message = incoming.message
         if message is None:
             self._reject(incoming, str(incoming.error))
             return
@@ -147,14 +139,11 @@ class Server:
                 incoming, f"unexpected {header.command.name} {'response' if header.response else 'request'}"
             )
             return
-        if (header.command in CONTROL_COMMANDS) == on_data:
-            self._reject(incoming, f"{header.command.name} on the {'data' if on_data else 'control'} socket")
-            return
         if header.command is Command.HELLO:
             self._guarded(incoming.peer, header, self._hello, message)
             return
         worker = self.workers.get(header.sender_rank)
-        if worker is None or worker.gone or not (on_data or incoming.peer == worker.peer):
+        if worker is None or worker.gone or incoming.peer != worker.peer:
             self._reject(
                 incoming, f"{header.command.name} from worker {header.sender_rank}, which did not say hello"
             )
@@ -179,8 +168,7 @@ class Server:
 
     def _reject(self, incoming: Incoming, reason: str) -> None:
         self.rejected += 1
-        where = "data socket" if incoming.peer is None else f"control peer {incoming.peer.hex()[:16]}"
-        log.warning("server %d rejected a message from %s: %s", self.rank, where, reason)
+        log.warning("server %d rejected a message from peer %s: %s", self.rank, incoming.peer.hex()[:16], reason)
 
     def _reply(self, peer: bytes, request: Header, payloads: list[Any] | None = None,
                slot: Slot | None = None) -> None:  # fmt: skip

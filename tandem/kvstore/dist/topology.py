@@ -155,17 +155,16 @@ def public_endpoint(bind_addr: str, port: int) -> str:
 
 @dataclass(frozen=True)
 class ServerAddress:
-    """A server's two endpoints: control (ROUTER: hello, heartbeats, every reply) and data (PULL: requests)."""
+    """A server's endpoint (its ROUTER: every message to and from it)."""
 
-    control: str
-    data: str
+    endpoint: str
 
     def __str__(self) -> str:
-        return self.control
+        return self.endpoint
 
 
 def publish_server(store: dist.TCPStore, rank: int, address: ServerAddress) -> None:
-    store.set(f"{STORE_PREFIX}server/{rank}", f"{address.control} {address.data}")
+    store.set(f"{STORE_PREFIX}server/{rank}", address.endpoint)
 
 
 def server_addresses(store: dist.TCPStore, num_servers: int, timeout: float) -> list[ServerAddress]:
@@ -179,8 +178,4 @@ def server_addresses(store: dist.TCPStore, num_servers: int, timeout: float) -> 
             f"server(s) {missing} did not publish an endpoint within {timeout:.0f} s; did they start (`tandem launch "
             f"-s {num_servers}` or TANDEM_NUM_SERVERS under torchrun)?"
         ) from None
-    addresses = []
-    for key in keys:
-        control, _, data = store.get(key).decode().partition(" ")
-        addresses.append(ServerAddress(control, data))
-    return addresses
+    return [ServerAddress(store.get(key).decode()) for key in keys]

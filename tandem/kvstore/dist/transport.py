@@ -1,11 +1,20 @@
 """ZeroMQ behind one small interface: the only kvstore module that touches sockets.
 
-Every server binds a ROUTER (control: hello, heartbeats, goodbye, abort; and every reply) and a
-PULL (data requests: init, push, pull, ...). Every worker connects a DEALER to each ROUTER, owned
-by its IO thread, and a PUSH to each PULL, on which application threads send directly under a
-lock: handing each request to the IO thread costs a thread switch and a GIL hand-over per message,
-which dominated small and medium transfers. Replies are received by the IO thread, so requests
-complete in the background while the application computes (what P3's overlap relies on).
+Every server binds one ROUTER; every worker connects one DEALER to it. Everything between a worker
+and a server (hello, heartbeats, goodbye, abort, data requests and their replies) travels on that
+one connection, in order. Why one: a reply then follows its request on the same TCP stream (with
+raw pyzmq on loopback, a 1 MB message acknowledged on a second connection took 100-200 us longer
+than on the same one; inside the kvstore the difference was within the machine's noise), a
+server has one port and one peer table, and a data request is accepted only from the connection
+that said hello.
+
+A DEALER is not thread safe, yet requests leave from the calling thread (handing each to the IO
+thread costs a thread switch and a GIL hand-over per message, which dominated small transfers)
+while the IO thread receives replies. So each DEALER is used only under its lock, and the IO thread
+never blocks inside ZeroMQ: it waits on the socket's notification descriptor (``ZMQ_FD``) and
+drains under the lock. That descriptor is edge-triggered: a send may consume the notice of a reply
+that arrived meanwhile, so a sender that sees the socket readable after sending wakes the IO
+thread itself. Sends never block under the lock (``NOBLOCK``, retried until the send timeout).
 
 Tensor payloads of at least ``ZERO_COPY_BYTES`` go out with ``copy=False`` (ZeroMQ reads the
 tensor's memory directly); a pull's reply is received straight into the output tensor
@@ -16,6 +25,7 @@ well-formed ``Message`` objects or a ``ProtocolError``.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -35,7 +45,7 @@ Landing = Callable[[int, Header], memoryview | None]  # where a reply's payload 
 class Incoming:
     """One received message, or the reason it was rejected; ``peer`` says who sent it."""
 
-    peer: Any  # on a server: the routing id (control socket) or None (data socket); on a worker: server index
+    peer: Any  # on a server: the sender's routing id; on a worker: the server's index
     message: Message | None
     error: ProtocolError | None = None
 
@@ -44,33 +54,6 @@ class _Endpoint:
     def __init__(self, secret: bytes) -> None:
         self.secret = secret
         self.context = zmq.Context()
-
-    def _send(self, socket: zmq.Socket, prefix: bytes | None, head: bytes, payloads: Sequence[Any],
-              track: bool) -> zmq.MessageTracker | None:  # fmt: skip
-        """Send ``[prefix] + [head] + payloads``; returns a tracker for a zero-copy payload if asked.
-
-        A payload that is a received ``zmq.Frame`` is sent on as it is: ZeroMQ shares the buffer
-        (no copy, and none of pyzmq's per-message garbage-collector thread wake-ups that a
-        zero-copy send of Python memory costs).
-        """
-        if prefix is not None:
-            socket.send(prefix, SNDMORE)
-        if not payloads:
-            socket.send(head)
-            return None
-        socket.send(head, SNDMORE)
-        tracker = None
-        last = len(payloads) - 1
-        for index, payload in enumerate(payloads):
-            flags = 0 if index == last else SNDMORE
-            if type(payload) is zmq.Frame:
-                socket.send(payload, flags, copy=False)
-            elif _nbytes(payload) < ZERO_COPY_BYTES:
-                socket.send(payload, flags)
-            else:
-                result = socket.send(payload, flags, copy=False, track=track)
-                tracker = result if track else tracker
-        return tracker
 
     def _head(self, header: Header, payloads: Sequence[Any], request_id: int | None = None) -> bytes:
         """The header frame for ``header`` carrying ``payloads`` (their count and bytes filled in here)."""
@@ -82,13 +65,11 @@ class _Endpoint:
         except ProtocolError as error:
             return Incoming(peer, None, error)
 
-    def _socket(self, kind: int, endpoint: str, identity: bytes = b"", send_timeout: float = 0) -> zmq.Socket:
+    def _socket(self, kind: int, endpoint: str, identity: bytes = b"") -> zmq.Socket:
         socket = self.context.socket(kind)
         socket.setsockopt(zmq.LINGER, 500)  # queued goodbyes get half a second to leave at close
         if identity:
             socket.setsockopt(zmq.IDENTITY, identity)
-        if send_timeout:  # a server that stopped reading must not block a sender forever
-            socket.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))
         socket.connect(endpoint)
         return socket
 
@@ -97,93 +78,98 @@ class _Endpoint:
 
 
 class ServerTransport(_Endpoint):
-    """A server's control ROUTER and data PULL sockets, bound to ``bind_addr`` on ephemeral ports."""
+    """A server's ROUTER, bound to ``bind_addr`` on an ephemeral port (``port``); peers are routing ids."""
 
     def __init__(self, secret: bytes, bind_addr: str) -> None:
         super().__init__(secret)
-        self.control = self.context.socket(zmq.ROUTER)
-        self.data = self.context.socket(zmq.PULL)
-        self._poller = zmq.Poller()
-        self.ports = []
-        for socket in (self.control, self.data):
-            socket.setsockopt(zmq.LINGER, 500)
-            self.ports.append(socket.bind_to_random_port(f"tcp://{bind_addr}"))
-            self._poller.register(socket, zmq.POLLIN)
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 500)
+        self.port = self.socket.bind_to_random_port(f"tcp://{bind_addr}")
 
     def send(self, peer: bytes, header: Header, payloads: Sequence[Any] = (), track: bool = False) -> Any:
-        """Send to the worker whose control routing id is ``peer``; returns a tracker for big tracked payloads."""
-        return self._send(self.control, peer, self._head(header, payloads), payloads, track)
+        """Send to the worker whose routing id is ``peer``; returns a tracker for big tracked payloads."""
+        return self._send(peer, self._head(header, payloads), payloads, track)
 
     def reply(self, peer: bytes, request: Header, rank: int, payloads: Sequence[Any] = (), track: bool = False,
               error: bool = False) -> Any:  # fmt: skip
         """Answer ``request`` (``send`` of its response header, built in one step); same return."""
         head = encode_reply(request, rank, self.secret, len(payloads), payload_size(payloads), error)
-        return self._send(self.control, peer, head, payloads, track)
+        return self._send(peer, head, payloads, track)
+
+    def _send(self, peer: bytes, head: bytes, payloads: Sequence[Any], track: bool) -> zmq.MessageTracker | None:
+        self.socket.send(peer, SNDMORE)
+        self.socket.send(head, SNDMORE if payloads else 0)
+        return _send_payloads(self.socket, payloads, track)
 
     def poll(self, timeout: float) -> list[Incoming]:
-        """Messages arriving within ``timeout`` seconds; ``peer`` is None for data-socket messages."""
+        """Messages arriving within ``timeout`` seconds, in arrival order; ``peer`` is the sender's routing id."""
         received: list[Incoming] = []
-        ready = self._poller.poll(int(max(timeout, 0) * 1000))
-        if not ready:
+        if not self.socket.poll(int(max(timeout, 0) * 1000)):
             return received
-        sockets = [socket for socket, _ in ready]
-        for socket in (self.control, self.data):  # control first: goodbyes and heartbeats are never starved
-            if socket not in sockets:
-                continue
-            while len(received) < MAX_BATCH:
-                try:  # readable (poll said so, or EVENTS below did); NOBLOCK all the same: never hang
-                    frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                if socket is self.control:
-                    received.append(self._decode(frames[0].bytes, frames[1:]))
-                else:
-                    received.append(self._decode(None, frames))
-                if not _readable(socket):
-                    break
+        while len(received) < MAX_BATCH:
+            try:  # readable (poll said so, or EVENTS below did); NOBLOCK all the same: never hang
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            received.append(self._decode(frames[0].bytes, frames[1:]))
+            if not _readable(self.socket):
+                break
         return received
 
 
 class WorkerTransport(_Endpoint):
-    """Per server a DEALER (IO thread: control messages, every reply) and a PUSH (data requests, any thread).
+    """Per server one DEALER, shared under a lock by the sending threads and the IO thread.
 
-    Thread safety: ``poll`` and ``send_control`` belong to the IO thread; ``send_data`` and
-    ``wake`` may be called from any thread (``send_data`` is serialised by a lock).
+    Thread safety: ``poll`` belongs to the IO thread; ``send`` and ``wake`` may be called from any
+    thread (each socket is used only under its lock).
     """
 
-    def __init__(self, secret: bytes, control: list[str], data: list[str], identity: bytes, send_timeout: float) -> None:
+    def __init__(self, secret: bytes, endpoints: list[str], identity: bytes, send_timeout: float) -> None:
         super().__init__(secret)
-        self.control = [self._socket(zmq.DEALER, endpoint, identity=identity) for endpoint in control]
-        self.data = [self._socket(zmq.PUSH, endpoint, send_timeout=send_timeout) for endpoint in data]
-        self._data_lock = threading.Lock()
+        self.sockets = [self._socket(zmq.DEALER, endpoint, identity=identity) for endpoint in endpoints]
+        self._locks = [threading.Lock() for _ in self.sockets]
+        self._send_timeout = send_timeout
         wake_address = f"inproc://wake-{id(self)}"
         self._wake_in = self.context.socket(zmq.PULL)
         self._wake_in.bind(wake_address)
         self._wake_out = self.context.socket(zmq.PUSH)
         self._wake_out.connect(wake_address)
         self._wake_lock = threading.Lock()
+        self._backlog = False  # the last poll stopped at MAX_BATCH: the descriptors will not signal it again
         self._poller = zmq.Poller()
-        for socket in [self._wake_in, *self.control]:
-            self._poller.register(socket, zmq.POLLIN)
-        self._server_of = {socket: server for server, socket in enumerate(self.control)}
+        self._poller.register(self._wake_in, zmq.POLLIN)
+        for socket in self.sockets:  # the descriptors, not the sockets: polling a socket would use it unlocked
+            self._poller.register(cast(int, socket.get(zmq.FD)), zmq.POLLIN)
 
     def wake(self) -> None:
         """Interrupt a ``poll`` in the IO thread. Thread safe."""
         with self._wake_lock:
             self._wake_out.send(b"", zmq.NOBLOCK)
 
-    def send_control(self, server: int, header: Header, payloads: Sequence[Any] = ()) -> None:
-        """IO thread only."""
-        self._send(self.control[server], None, self._head(header, payloads), payloads, track=False)
-
-    def send_data(self, server: int, header: Header, payloads: Sequence[Any] = (), request_id: int | None = None) -> None:
-        """Thread safe; raises ``zmq.Again`` when the server has not accepted data for the send timeout.
+    def send(self, server: int, header: Header, payloads: Sequence[Any] = (), request_id: int | None = None) -> None:
+        """Send to ``server``. Thread safe; raises ``zmq.Again`` when it accepted nothing for the send timeout.
 
         ``request_id`` overrides the header's (so callers need not rebuild the frozen header).
         """
         head = self._head(header, payloads, request_id)
-        with self._data_lock:
-            self._send(self.data[server], None, head, payloads, track=False)
+        socket, lock = self.sockets[server], self._locks[server]
+        deadline = None
+        while True:
+            with lock:
+                try:
+                    socket.send(head, zmq.NOBLOCK | (SNDMORE if payloads else 0))
+                except zmq.Again:
+                    pass
+                else:  # the first frame went: the rest of a multipart message always follows
+                    _send_payloads(socket, payloads, track=False)
+                    readable = _readable(socket)  # a reply whose notice this send consumed?
+                    break
+            deadline = deadline or time.monotonic() + self._send_timeout
+            if time.monotonic() > deadline:
+                raise zmq.Again()
+            time.sleep(0.001)  # the server is not reading: back off without holding the lock
+        if readable:
+            self.wake()
 
     def poll(self, timeout: float, landing: Landing | None = None) -> list[Incoming]:
         """IO thread only: replies and notices arriving within ``timeout`` seconds (or until ``wake``).
@@ -192,20 +178,19 @@ class WorkerTransport(_Endpoint):
         straight into it, saving a copy and the allocation of a big frame.
         """
         received: list[Incoming] = []
-        for socket, _ in self._poller.poll(int(max(timeout, 0) * 1000)):
+        for socket, _ in self._poller.poll(0 if self._backlog else int(max(timeout, 0) * 1000)):
             if socket is self._wake_in:
                 while _drain_one(self._wake_in):
                     pass
-                continue
-            server = self._server_of[socket]
-            while len(received) < MAX_BATCH:
-                try:
+        self._backlog = False
+        for server, socket in enumerate(self.sockets):  # every one: a sender may have consumed its notice
+            with self._locks[server]:
+                while _readable(socket):
+                    if len(received) == MAX_BATCH:
+                        self._backlog = True
+                        break
                     first = socket.recv(zmq.NOBLOCK)  # a small header: bytes are cheaper than a Frame object
-                except zmq.Again:
-                    break
-                received.append(self._receive(server, socket, first, landing))
-                if not _readable(socket):
-                    break
+                    received.append(self._receive(server, socket, first, landing))
         return received
 
     def _receive(self, server: int, dealer: zmq.Socket, first: bytes, landing: Landing | None) -> Incoming:
@@ -231,6 +216,27 @@ class WorkerTransport(_Endpoint):
         if size != target.nbytes:
             return Incoming(server, None, ProtocolError(f"reply payload of {size} bytes, header announced {target.nbytes}"))
         return Incoming(server, Message(header, [target], landed=True))
+
+
+def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], track: bool) -> zmq.MessageTracker | None:
+    """The payload frames of a message whose header frame went out with ``SNDMORE``.
+
+    A payload that is a received ``zmq.Frame`` is sent on as it is: ZeroMQ shares the buffer (no
+    copy, and none of pyzmq's per-message garbage-collector thread wake-ups that a zero-copy send
+    of Python memory costs).
+    """
+    tracker = None
+    last = len(payloads) - 1
+    for index, payload in enumerate(payloads):
+        flags = 0 if index == last else SNDMORE
+        if type(payload) is zmq.Frame:
+            socket.send(payload, flags, copy=False)
+        elif _nbytes(payload) < ZERO_COPY_BYTES:
+            socket.send(payload, flags)
+        else:
+            result = socket.send(payload, flags, copy=False, track=track)
+            tracker = result if track else tracker
+    return tracker
 
 
 def _readable(socket: zmq.Socket) -> bool:
