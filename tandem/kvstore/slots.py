@@ -98,6 +98,21 @@ class SlotTable:
         stored = value.detach().to("cpu").reshape(-1).clone()
         self.slots[slot_id] = Slot(shape, stored, self._new_state(stored))
 
+    def put(self, slot_id: SlotId, shape: tuple[int, ...], value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """A new slot holding copies of ``value`` and the optimizer ``state`` (where ``take`` moved them from)."""
+        if slot_id in self.slots:
+            raise RemoteError(f"{describe(slot_id, shape)} already exists; a slot is put only where none is")
+        if self.optimizer is None and state:
+            raise RemoteError(f"{describe(slot_id, shape)}: optimizer state {sorted(state)} sent, but no optimizer is set")
+        self._check_scope(slot_id, shape, self.optimizer)
+        self.slots[slot_id] = Slot(shape, value.clone(), {name: tensor.clone() for name, tensor in state.items()})
+
+    def take(self, slot_id: SlotId) -> Slot:
+        """Remove a slot and return it, once no network send reads its value any more."""
+        slot = self.slots.pop(slot_id)
+        self._wait_readers(slot)
+        return slot
+
     def get(self, slot_id: SlotId, shape: tuple[int, ...], dtype: torch.dtype, action: str) -> Slot:
         """The slot, after checking that ``action`` addresses it with the initialised shape and dtype."""
         slot = self.slots.get(slot_id)

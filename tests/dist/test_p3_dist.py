@@ -84,6 +84,13 @@ def test_auto_tuning_agrees_on_every_worker_and_keeps_sums_exact(tmp_path: Path)
     assert len(chosen) == 1, output  # both workers walked the same search path
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_auto_tuning_with_a_server_side_optimizer_moves_values_and_state(optimizer: str, tmp_path: Path) -> None:
+    output = _run("auto-optimizer", "dist_p3", 2, 2, tmp_path,
+                  {"TANDEM_KVSTORE_SLICE_THRESHOLD": "0", "TEST_OPTIMIZER": optimizer})  # fmt: skip
+    assert len(worker_lines(output, " moved ")) == 2, output
+
+
 def _notices(output: str) -> list[int]:
     return [int(line.split("notices ")[1]) for line in worker_lines(output, " notices ")]
 
@@ -183,6 +190,47 @@ def _auto(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-
     return {}
 
 
+def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Parameters on the servers while the tuner switches slicing: each step equals a local update."""
+    import os
+
+    from tandem.optim import SGD, AdamW
+
+    shapes = {"a": (100_003,), "b": (300, 401), "c": (50,)}  # 3, 4 and 1 slices of 40k; 2, 2, 1 of 80k...
+    make = {"sgd": lambda: SGD(lr=0.1, momentum=0.9), "adamw": lambda: AdamW(lr=0.01)}[os.environ["TEST_OPTIMIZER"]]
+    values = {key: torch.linspace(-1, 1, torch.Size(shape).numel()).reshape(shape) for key, shape in shapes.items()}
+    kv.init(list(shapes), list(values.values()))
+    kv.set_optimizer(make())
+    kv.tuner.warmup, kv.tuner.steps_per_trial = 1, 2  # switch often: every switch moves every key
+    reference, states = make(), {key: make().create_state(value.reshape(-1)) for key, value in values.items()}
+    expected = {key: value.reshape(-1).clone() for key, value in values.items()}
+    checkpoint = Path(sys.argv[3]) / "checkpoint"
+    for step in range(41):
+        if step == 40 or (kv.tuner.result is not None and step >= 12):  # save, then one more step
+            kv.save_server_state(str(checkpoint))  # moves the slots to the start slicing and back
+            saved_slots = [entry["key"] for path in checkpoint.glob("server-*.pt")
+                           for entry in torch.load(path, weights_only=True)["slots"]]  # fmt: skip
+            assert saved_slots and all(slot.startswith("p3/40000/") for slot in saved_slots), saved_slots
+        outs = {key: torch.empty(shape) for key, shape in shapes.items()}
+        grads = [{key: torch.sin(torch.arange(float(torch.Size(shape).numel())) * (worker + 1) + step).reshape(shape)
+                  for key, shape in shapes.items()} for worker in range(kv.num_workers)]  # fmt: skip
+        for handle in [kv.pushpull(key, grads[rank][key], out=outs[key], priority=-index)
+                       for index, key in enumerate(shapes)]:  # fmt: skip
+            handle.wait(timeout=60)
+        for key in shapes:
+            merged = grads[0][key].reshape(-1).clone()  # the server's sum, in rank order
+            for other in grads[1:]:
+                merged.add_(other[key].reshape(-1))
+            reference.update([expected[key]], [merged], [states[key]])
+            torch.testing.assert_close(outs[key].reshape(-1), expected[key], rtol=1e-5, atol=1e-6)
+        if checkpoint.exists():
+            break
+    sizes = [config.slice_size for config, _ in kv.tuner.history]
+    assert len(set(sizes)) >= 2, kv.tuner.history  # the slicing did change
+    print(f"rank {rank} moved through slicings {sizes}, result {kv.tuner.result}")
+    return {}
+
+
 def _opposite(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     keys = [f"k{index}" for index in range(12)]
     kv.init(keys, [torch.zeros(200) for _ in keys])
@@ -214,6 +262,7 @@ def main(mode: str, kind: str, out: str) -> None:
         "optimizer": _optimizer,
         "priority": _priority,
         "auto": _auto,
+        "auto-optimizer": _auto_optimizer,
         "opposite": _opposite,
         "launched": _launched,
     }[mode](kv, kv.rank)

@@ -9,7 +9,7 @@ import torch
 
 import tandem
 from tandem import models, optim
-from tests.dist.jobs import run_job
+from tests.dist.jobs import run_job, worker_lines
 
 
 def single_process(model_name: str, steps: int, batch_size: int = 8) -> dict[str, torch.Tensor]:
@@ -43,13 +43,17 @@ def test_baseline_overlap_and_p3_give_the_same_parameters(model: str, tmp_path: 
     """Sync mode: how gradients travel (all at once, per segment, sliced by priority, held until backward
     ends) must not change the result."""
     steps, runs = 10, [("dist_sync", "baseline", "1"), ("dist_sync", "overlap", "1"), ("dist_p3", "p3", "1"),
-                       ("dist_p3", "p3", "0"), ("dist_p3", "p3-after", "1")]  # fmt: skip
+                       ("dist_p3", "p3", "0"), ("dist_p3", "p3-after", "1"), ("dist_p3", "p3-auto", "1")]  # fmt: skip
     results = []
     for kind, mode, update_on_kvstore in runs:
         out = tmp_path / f"{mode}-{update_on_kvstore}"
         out.mkdir()
-        env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "100"}  # many slices, most of them not a multiple of the size
-        run_job("trainer_modes.py", 2, 2, kind, mode, update_on_kvstore, str(out), str(steps), model, env=env)
+        # many slices, most of them not a multiple of the size; or the tuner's choice (0)
+        env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "0" if mode == "p3-auto" else "100"}
+        job = run_job("trainer_modes.py", 2, 2, kind, mode, update_on_kvstore, str(out), str(steps), model, env=env)
+        if mode == "p3-auto":  # the server-side optimizer's state moved with the slots at least once
+            slicings = [set(line.split("slicings ")[1].split(",")) for line in worker_lines(job.stdout, " OK ")]
+            assert len(slicings) == 2 and all(len(seen) >= 2 for seen in slicings), job.stdout
         results.append(torch.load(out / "rank0.pt", weights_only=True))
     baseline = results[0]
     moved = single_process(model, 0)

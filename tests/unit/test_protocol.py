@@ -20,6 +20,8 @@ from tandem.kvstore.dist.protocol import (
     decode_header,
     encode_header,
     encode_reply,
+    state_from_payloads,
+    state_payloads,
     tensor_bytes,
     tensor_from_bytes,
 )
@@ -157,3 +159,19 @@ def test_tensor_bytes_views_memory_of_every_dtype_in_order() -> None:
         assert bytes(view) == value.reshape(-1).view(torch.uint8).numpy().tobytes()
     with pytest.raises(ValueError, match="contiguous"):
         tensor_bytes(torch.ones(4, 4).t())
+
+
+def test_slot_state_round_trips_and_bad_tables_are_rejected() -> None:
+    value = torch.linspace(0, 1, 6)
+    state = {"step": torch.tensor(3.0), "exp_avg": torch.arange(6.0), "flags": torch.ones(2, 3, dtype=torch.bool)}
+    frames = [memoryview(bytes(frame)) for frame in state_payloads(value, state)]  # as received: copies
+    got_value, got_state = state_from_payloads(frames, torch.float32, 6)
+    assert torch.equal(got_value, value) and got_state.keys() == state.keys()
+    assert all(torch.equal(got_state[name], tensor) for name, tensor in state.items())
+    for table, reason in [(b"not json", "not JSON"), (b"[]", "one entry per state frame"),
+                          (b'[["step", 99, []], ["a", 1, [6]], ["f", 10, [2, 3]]]', "unknown dtype code"),
+                          (b'[["step", 1, [-1]], ["a", 1, [6]], ["f", 10, [2, 3]]]', "bad optimizer state entry")]:  # fmt: skip
+        with pytest.raises(ProtocolError, match=reason):
+            state_from_payloads([memoryview(table), *frames[1:]], torch.float32, 6)
+    with pytest.raises(ProtocolError, match="does not hold"):
+        state_from_payloads(frames, torch.float32, 7)

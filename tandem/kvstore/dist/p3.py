@@ -24,22 +24,21 @@ import torch
 
 from tandem.engine import trace
 from tandem.env import knob
-from tandem.kvstore.base import Handle
+from tandem.kvstore.base import Handle, normalize
 from tandem.kvstore.dist.p3_queue import LanePriorityQueue
+from tandem.kvstore.dist.p3_reslice import Move, move_slots
 from tandem.kvstore.dist.p3_sender import PrioritySender
 from tandem.kvstore.dist.p3_tuner import DEFAULT_SLICE_SIZE, WATER_MARKS, AutoTuner, Config
 from tandem.kvstore.dist.placement import RoundRobinPlacement
 from tandem.kvstore.dist.protocol import Command, Key, Message, Role
 from tandem.kvstore.dist.server import CONTROL_COMMANDS, Server
-from tandem.kvstore.dist.topology import DistOptions, Topology, set_torch_threads
+from tandem.kvstore.dist.topology import DistOptions, Topology, mean_over_workers, set_torch_threads
 from tandem.kvstore.dist.transport import Incoming, ServerTransport
 from tandem.kvstore.dist.worker import DistKVStore, Item
 from tandem.kvstore.errors import KVStoreError
 
 P3_KINDS = {"dist_p3": "dist_sync", "dist_p3_async": "dist_async"}  # P3 kind -> the rounds it runs
 AUTO = 0  # slice_size (TANDEM_KVSTORE_SLICE_THRESHOLD) meaning "tune it"
-TUNER_KEY = "p3/tuner"  # where workers average their scores
-URGENT = 1 << 30  # the tuner's agreement must not wait behind the backlog
 
 
 @dataclass(frozen=True)
@@ -76,9 +75,10 @@ class P3KVStore(DistKVStore):
     """A worker's ``dist_p3`` store: round-robin slices, each its own request, sent by priority.
 
     Contract as ``DistKVStore`` (drive from one thread; handles may be waited on anywhere); requests
-    of one slot keep their order whatever their priorities. With ``slice_size="auto"`` each key is
-    stored once per candidate slicing (under ``p3/<size>/<key>``) so that the tuner can switch
-    slicing between iterations; ``tuner.result`` holds the final choice.
+    of one slot keep their order whatever their priorities. With ``slice_size="auto"`` a key's slots
+    are named after the slicing (``p3/<size>/<key>``), and when the tuner switches slicing between
+    iterations every key moves to the new one, values and optimizer state (``p3_reslice``);
+    ``tuner.result`` holds the final choice.
     """
 
     def __init__(self, topology: Topology, options: DistOptions, p3: P3Options) -> None:
@@ -94,58 +94,67 @@ class P3KVStore(DistKVStore):
             self.tuner = AutoTuner(self._apply, self._agree, water_marks=marks, start=Config(start, p3.water_mark))
             if not options.sync:
                 self.tuner.fix_slice_size()  # async workers cannot agree on a slicing
-        self._tuner_key_ready = False
+        self._live = start  # the slicing the servers' slots are cut by
+        self._keys: dict[Key, tuple[tuple[int, ...], torch.dtype]] = {}  # shape and dtype, to move slots
+        self._agreements = 0
         # Read by the trainer each step: hold this step's gradients until backward ends (the tuner's
         # choice where overlapping communication with backward costs more CPU than it saves wire time).
         self.send_after_backward = False
 
     def _apply(self, config: Config) -> None:
+        if config.slice_size != self._live:
+            self._move_slots(config.slice_size)
         self.sender.slice_size, self.sender.water_mark = config.slice_size, config.water_mark
         self.send_after_backward = config.after_backward
 
+    def _move_slots(self, size: int) -> None:
+        """Every key from the live slicing to ``size``; the workers split the keys between them."""
+        self._settle()  # this worker's requests answered, then everyone's: every round is applied
+        keys = sorted(self._keys, key=repr)[self.rank :: self.num_workers]
+        moves = [Move(_slot_key(self._live, key), _slot_key(size, key), *self._keys[key]) for key in keys]
+        move_slots(self._client, self.rank, moves, RoundRobinPlacement(self.num_servers, self._live),
+                   RoundRobinPlacement(self.num_servers, size))  # fmt: skip
+        self._live = size
+        self.barrier()  # no worker uses the new slicing before every key is there
+
     def _agree(self, cost: float) -> float:
-        """The mean of ``cost`` over workers (sync rounds without an optimizer sum the pushes)."""
+        """The mean of ``cost`` over workers, through the rendezvous store (every worker gets the same float)."""
         if not self.options.sync or self.tuner is None or self.tuner.slicing_fixed:
             return cost  # only the water mark is searched: a per-worker choice
-        value, out = torch.tensor([cost], dtype=torch.float64), torch.empty(1, dtype=torch.float64)
-        super()._send_tensors(Command.PUSHPULL, [(TUNER_KEY, value, [out])], URGENT, "p3 tuner").wait()
-        return out.item() / self.num_workers
+        self._agreements += 1
+        return mean_over_workers(self.rendezvous, f"p3/tuner/{self._agreements}", self.rank, self.num_workers,
+                                 cost, knob("TANDEM_PS_WAIT_TIMEOUT"))  # fmt: skip
 
     def _sliced(self, size: int, command: Command, items: list[Item], priority: int, what: str) -> Handle:
         self.placement = RoundRobinPlacement(self.num_servers, size)
-        renamed: list[Item] = [(f"p3/{size}/{key!r}", value, targets) for key, value, targets in items]
+        renamed: list[Item] = [(_slot_key(size, key), value, targets) for key, value, targets in items]
         return super()._send_tensors(command, renamed, priority, what)
 
     def _send_tensors(self, command: Command, items: list[Item], priority: int, what: str) -> Handle:
         if self.tuner is None:
             return super()._send_tensors(command, items, priority, what)
-        if command is Command.INIT:  # every candidate slicing starts from the initial values
-            for size in self.tuner.slice_sizes:
-                self._sliced(size, command, items, priority, what).wait()
-            return Handle.completed(what)
         if command in (Command.PUSH, Command.PUSHPULL) and items:
-            self.tuner.observe(items[0][0])
-        return self._sliced(self.tuner.current.slice_size, command, items, priority, what)
+            self.tuner.observe(items[0][0])  # may switch the slicing, moving every key first
+        return self._sliced(self._live, command, items, priority, what)
 
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:
         super().init(keys, values)
-        if self.tuner is not None and self.options.sync and not self._tuner_key_ready:
-            self._tuner_key_ready = True
-            if self.rank == 0:
-                super()._send_tensors(Command.INIT, [(TUNER_KEY, torch.zeros(1, dtype=torch.float64), [])], 0,
-                                      "init").wait()  # fmt: skip
-            self.barrier()
+        self._keys.update((key, (tuple(tensors[0].shape), tensors[0].dtype))
+                          for key, tensors in normalize(keys, values, "init"))  # fmt: skip
 
-    def set_optimizer(self, optimizer: Any) -> None:
-        """As ``DistKVStore``'s; an auto-tuned store then keeps its slicing (servers now hold state per slice)."""
-        if self.tuner is not None:
-            try:
-                self.tuner.fix_slice_size()
-            except RuntimeError:
-                raise KVStoreError(
-                    "with slice_size='auto', call set_optimizer before the first push"
-                ) from None
-        super().set_optimizer(optimizer)
+    def save_server_state(self, path: str) -> None:
+        """As ``DistKVStore``'s; a tuned store saves its start slicing, the one a restored store begins with."""
+        live = self._live
+        if self.tuner is not None and live != self.tuner.start.slice_size:
+            self._move_slots(self.tuner.start.slice_size)
+        super().save_server_state(path)
+        if self._live != live:
+            self._move_slots(live)
+
+
+def _slot_key(slice_size: int, key: Key) -> str:
+    """Where a tuned store keeps ``key`` while the slicing is ``slice_size``."""
+    return f"p3/{slice_size}/{key!r}"
 
 
 class PriorityReceive:

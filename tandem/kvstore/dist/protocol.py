@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import math
 import struct
 import time
@@ -29,7 +30,7 @@ import torch
 from tandem.kvstore.errors import ProtocolError
 
 MAGIC = b"TDKV"
-VERSION = 2  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked)
+VERSION = 3  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked); 3: TAKE and PUT
 MAC_BYTES = 32
 MAX_NDIM = 16
 MAX_KEY_BYTES = 1024
@@ -60,6 +61,8 @@ class Command(IntEnum):
     LOAD = 11
     ABORT = 12
     RECEIVED = 13  # server -> worker: the request arrived and waits for other workers (P3)
+    TAKE = 14  # a slot's value and optimizer state, removed from the server (P3 moving to another slicing)
+    PUT = 15  # a new slot with a value and optimizer state (where TAKE's go)
 
 
 class Flag(IntFlag):
@@ -367,6 +370,37 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 _NUMPY_DTYPES = frozenset(DTYPE_CODES) - {torch.bfloat16}
+
+
+def state_payloads(value: torch.Tensor, state: dict[str, torch.Tensor]) -> list[memoryview]:
+    """A slot's value and optimizer state as frames: a JSON list of ``[name, dtype code, shape]``, the value, each state tensor."""
+    names = sorted(state)
+    contents = [[name, DTYPE_CODES[state[name].dtype], list(state[name].shape)] for name in names]
+    _check(len(names) + 2 <= MAX_PAYLOADS, f"{len(names)} optimizer state tensors, at most {MAX_PAYLOADS - 2} fit")
+    return [memoryview(json.dumps(contents).encode()), tensor_bytes(value),
+            *(tensor_bytes(state[name].contiguous()) for name in names)]  # fmt: skip
+
+
+def state_from_payloads(payloads: Sequence[memoryview], dtype: torch.dtype,
+                        numel: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """``state_payloads``' value and state, validated; views of the payloads (copy what you keep)."""
+    _check(len(payloads) >= 2, f"{len(payloads)} payload frames, a value and its state need at least 2")
+    try:
+        contents = json.loads(bytes(payloads[0]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProtocolError(f"optimizer state table is not JSON: {error}") from None
+    _check(isinstance(contents, list) and len(contents) == len(payloads) - 2,
+           "optimizer state table does not list one entry per state frame")  # fmt: skip
+    state = {}
+    for entry, payload in zip(contents, payloads[2:]):
+        valid = (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                 and isinstance(entry[1], int) and isinstance(entry[2], list) and len(entry[2]) <= MAX_NDIM
+                 and all(isinstance(size, int) and size >= 0 for size in entry[2]))  # fmt: skip
+        _check(valid, f"bad optimizer state entry {entry!r}: expected [name, dtype code, shape]")
+        name, code, shape = entry
+        tensor = tensor_from_bytes(payload, _lookup(CODE_DTYPES, code, "dtype"), math.prod(shape))
+        state[name] = tensor.view(shape)
+    return tensor_from_bytes(payloads[1], dtype, numel), state
 
 
 def tensor_from_bytes(payload: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:

@@ -24,7 +24,16 @@ from typing import Any
 
 import torch
 
-from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
+from tandem.kvstore.dist.protocol import (
+    Command,
+    Header,
+    Message,
+    Role,
+    state_from_payloads,
+    state_payloads,
+    tensor_bytes,
+    tensor_from_bytes,
+)
 from tandem.kvstore.dist.topology import (
     DistOptions,
     ServerAddress,
@@ -34,7 +43,7 @@ from tandem.kvstore.dist.topology import (
     publish_server,
 )
 from tandem.kvstore.dist.transport import Incoming, ServerTransport
-from tandem.kvstore.errors import PeerFailure, RemoteError
+from tandem.kvstore.errors import PeerFailure, ProtocolError, RemoteError
 from tandem.kvstore.slots import Slot, SlotId, SlotTable
 
 log = logging.getLogger("tandem.kvstore.server")
@@ -90,6 +99,8 @@ class Server:
             Command.SAVE: self._save,
             Command.LOAD: self._load,
             Command.ABORT: self._abort,
+            Command.TAKE: self._take,
+            Command.PUT: self._put,
         }
 
     def serve(self) -> int:
@@ -250,7 +261,7 @@ class Server:
         header = message.header
         if header.key is None or header.dtype is None:
             raise RemoteError(f"{header.describe()} needs a key and a dtype")
-        if header.command is Command.PULL:
+        if header.command in (Command.PULL, Command.TAKE, Command.PUT):  # no pushed value (PUT parses its own)
             return self._slot_id(header), None
         if len(message.payloads) != 1:
             raise RemoteError(f"{header.describe()} needs exactly one payload frame")
@@ -315,11 +326,41 @@ class Server:
             return
         self._send_value(slot, peer, request)
 
+    def _take(self, peer: bytes, message: Message) -> None:
+        """Answered like a pull (once every round the taker pushed into is applied), then the slot is gone."""
+        slot_id, slot, _ = self._lookup(message)
+        self._answer_pull(slot_id, slot, peer, message.header)
+
+    def _put(self, peer: bytes, message: Message) -> None:
+        header = message.header
+        slot_id, _ = self._tensor_request(message)
+        assert header.dtype is not None  # ensured by _tensor_request
+        try:
+            value, state = state_from_payloads(message.payloads, header.dtype, header.slice_numel)
+        except ProtocolError as error:
+            raise RemoteError(f"{header.describe()}: {error}") from None
+        self.table.put(slot_id, header.shape, value, state)
+        self.rounds.pop(slot_id, None)  # a new slot: its rounds count from here
+        self._reply(peer, header)
+
     def _send_value(self, slot: Slot, peer: bytes, request: Header) -> None:
+        if request.command is Command.TAKE:
+            self._send_taken(self._slot_id(request), peer, request)
+            return
         # only in-place updates (an optimizer) must wait for zero-copy sends; tracking them costs time
         tracked = slot if self.table.optimizer is not None else None
         value = slot.frame if slot.frame is not None else tensor_bytes(slot.value)  # a frame is sent on, uncopied
         self._reply(peer, request, [value], slot=tracked)
+
+    def _send_taken(self, slot_id: SlotId, peer: bytes, request: Header) -> None:
+        rounds = self.rounds.get(slot_id)
+        if rounds is not None and (any(rounds.queued.values()) or rounds.waiting_pulls):
+            self._reply_error(peer, request, f"{request.describe()}: other workers' pushes or pulls of it are "
+                                             f"still pending; take a slot only between steps")  # fmt: skip
+            return
+        slot = self.table.take(slot_id)
+        self.rounds.pop(slot_id, None)
+        self._reply(peer, request, state_payloads(slot.value, slot.state))  # the slot is gone: no copy needed
 
     def _set_optimizer(self, peer: bytes, message: Message) -> None:
         self.table.set_optimizer(_text_payload(message))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -145,6 +146,19 @@ def connect_store(topology: Topology, timeout: float) -> dist.TCPStore:
             f"cannot reach the rendezvous store at {topology.master_addr}:{topology.master_port} within {timeout:.0f} s "
             f"({error}); is `tandem launch` (or torchrun) running and TANDEM_MASTER_ADDR/PORT right?"
         ) from None
+
+
+def mean_over_workers(store: dist.TCPStore, name: str, rank: int, num_workers: int, value: float,
+                      timeout: float) -> float:  # fmt: skip
+    """The mean of every worker's ``value`` under ``name`` (each name once); every worker gets the same float."""
+    keys = [f"{STORE_PREFIX}{name}/{worker}" for worker in range(num_workers)]
+    store.set(keys[rank], repr(value))
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:
+        missing = [worker for worker, key in enumerate(keys) if not store.check([key])]
+        raise KVStoreTimeout(f"worker(s) {missing} did not report {name} within {timeout:.0f} s") from None
+    return statistics.fmean(float(store.get(key)) for key in keys)  # same values, same order: same result
 
 
 def public_endpoint(bind_addr: str, port: int) -> str:

@@ -35,8 +35,8 @@ class DistKVStore(KVStore):
     def __init__(self, topology: Topology, options: DistOptions, placement: Placement | None = None) -> None:
         self.topology, self.options, self.kind = topology, options, options.kind
         self.placement = placement or RangePlacement(topology.num_servers, options.bigarray_bound)
-        store = connect_store(topology, options.rendezvous_timeout)
-        self.addresses = server_addresses(store, topology.num_servers, options.rendezvous_timeout)
+        self.rendezvous = connect_store(topology, options.rendezvous_timeout)  # kept: P3's tuner agrees through it
+        self.addresses = server_addresses(self.rendezvous, topology.num_servers, options.rendezvous_timeout)
         self._client = Client(self.addresses, topology.rank, options, hello_info(topology, options))
         self._initialised: set[Key] = set()
         self._closed = False

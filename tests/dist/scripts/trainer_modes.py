@@ -1,7 +1,8 @@
 """Trainer(kvstore=...) on real processes: each worker trains on its half of every batch.
 
 Usage: trainer_modes.py KIND MODE UPDATE_ON_KVSTORE OUT_DIR STEPS MODEL
-(MODE ``p3-after``: p3 with gradients held until backward ends, as the tuner may choose)
+(MODE ``p3-after``: p3 with gradients held until backward ends, as the tuner may choose; ``p3-auto``:
+the tuner at work, switching often, so the slots move between slicings while training)
 Writes OUT_DIR/rank{r}.pt with the final parameters and OUT_DIR/report{r}.txt with the step report.
 """
 
@@ -23,7 +24,11 @@ module = entry.build(**entry.tiny).double()
 batch = entry.make_batch(8, torch.Generator().manual_seed(1), dtype=torch.float64, **entry.tiny)
 trainer = tandem.Trainer(module, entry.loss_fn, optim.SGD(lr=0.1, momentum=0.9), kvstore=kind, communication=mode,
                          update_on_kvstore=update_on_kvstore == "1", bulk_fwd=3, bulk_bwd=2)
-trainer.kvstore.send_after_backward = after_backward == "after"  # type: ignore[union-attr]
+if after_backward == "auto":
+    tuner = trainer.kvstore.tuner  # type: ignore[union-attr]
+    tuner.warmup, tuner.steps_per_trial = 1, 2
+else:
+    trainer.kvstore.send_after_backward = after_backward == "after"  # type: ignore[union-attr]
 rank, workers = trainer.rank, trainer.num_workers
 rows = slice(rank * 8 // workers, (rank + 1) * 8 // workers)
 for _ in range(int(steps)):
@@ -32,4 +37,5 @@ trainer.close()
 torch.save(dict(module.named_parameters()), Path(out) / f"rank{rank}.pt")
 report = trainer.train_step.executor.last_report
 Path(out, f"report{rank}.txt").write_text(f"{report.num_segments} {len(report.gradient_ready_s)}")
-print(f"trainer_modes OK rank {rank} mode {mode}")
+slicings = [config.slice_size for config, _ in tuner.history] if after_backward == "auto" else []
+print(f"trainer_modes OK rank {rank} mode {mode} slicings {','.join(map(str, slicings))}")
