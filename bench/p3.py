@@ -5,7 +5,10 @@ the link rate in both directions, as on a cluster; 2 workers and 2 servers, one 
 Modes (``Trainer(kvstore=..., communication=...)``):
 - baseline: backward, then push every gradient, then pull every parameter (dist_sync);
 - overlap:  each gradient is pushpulled the moment backward produces it (dist_sync);
-- p3:       the same, sliced, by priority, with a cap on pushes in flight (dist_p3);
+- p3:       the same, sliced, by priority, with a cap on pushes in flight (dist_p3), at the
+            defaults (40k-element slices, water mark 10);
+- p3-auto:  p3 with ``slice_size="auto"``: the tuner picks slicing, water mark and send timing in
+            the warm-up (``AUTO_WARMUP_STEPS``), before the timed runs;
 - ddp:      torch DistributedDataParallel with gloo (2 processes, allreduce, no servers).
 Per (model, rate) all modes run back to back; each job measures ``--runs`` runs of ``--steps``
 steps (after a warm-up; each run primed by one untimed step, its final drain untimed: steady
@@ -44,12 +47,12 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {  # name -> (zoo entry, co
     ),
     "resnet": ("resnet", {"depth": 18, "width": 16, "small_input": True}, 32),
 }
-MODES = ("baseline", "overlap", "p3")
-KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3"}
+MODES = ("baseline", "overlap", "p3", "p3-auto")
+KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "p3-auto": "dist_p3"}
 RATES = ("100mbit", "1gbit", "none")
 WORKERS, SERVERS = 2, 2
 WARMUP_STEPS = 3
-AUTO_WARMUP_STEPS = 45  # enough iterations for the tuner (6 warm-up + typically 20-30 searching)
+AUTO_WARMUP_STEPS = 60  # enough iterations for the tuner (6 warm-up + typically 25-40 searching)
 JOB_TIMEOUT = 300
 MARK = "P3BENCH "
 
@@ -110,7 +113,7 @@ def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
     torch.set_num_threads(1)
     module, loss_fn, batch, _ = _model(model)
     trainer = Trainer(module, loss_fn, tandem.optim.SGD(lr=0.01, momentum=0.9), kvstore=KINDS[mode],
-                      communication=mode, progress=False)  # fmt: skip
+                      communication=mode.removesuffix("-auto"), progress=False)  # fmt: skip
     # the same step without communication, interleaved: compute time under the same load, side by side
     local_module, *_ = _model(model)
     local = Trainer(local_module, loss_fn, tandem.optim.SGD(lr=0.01, momentum=0.9), progress=False)
@@ -198,6 +201,12 @@ def run_ddp(model: str, rate: str, runs: int, steps: int) -> float:
     return _step_seconds(_results(output), f"ddp on {model} at {rate}", output)
 
 
+def _mode_env(mode: str) -> dict[str, str]:
+    """p3-auto: slice size 0 (tune it), and a warm-up long enough for the tuner to settle before timing."""
+    auto = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "0", "P3BENCH_WARMUP": str(AUTO_WARMUP_STEPS)}
+    return auto if mode == "p3-auto" else {}
+
+
 def _rate_bits(rate: str) -> float | None:
     from tandem.testing.netns import parse_rate
 
@@ -220,7 +229,7 @@ def main_bench(args: argparse.Namespace) -> None:
         seconds, measured = {}, {}
         for mode in MODES:
             bar.set_postfix_str(f"{model} {rate} {mode}")
-            measured[mode] = run_tandem(model, mode, rate, args.runs, args.steps, {})
+            measured[mode] = run_tandem(model, mode, rate, args.runs, args.steps, _mode_env(mode))
             seconds[mode] = measured[mode]["seconds"]
             bar.update()
         bar.set_postfix_str(f"{model} {rate} ddp")
@@ -234,14 +243,16 @@ def main_bench(args: argparse.Namespace) -> None:
         throughput[(model, rate)] = speed
         # the machine is shared: also compare steps in units of each job's own compute time
         relative = {mode: measured[mode]["seconds"] / measured[mode]["compute"] for mode in MODES}
-        rows.append([model, rate, *(speed[mode] for mode in (*MODES, "ddp")), speed["overlap"] / speed["baseline"],
-                     speed["p3"] / speed["baseline"], relative["baseline"] / relative["overlap"],
-                     relative["baseline"] / relative["p3"], ideal, speed["p3"] / ideal,
-                     f"{compute * 1e3:.0f} / {wire * 1e3:.0f}"])  # fmt: skip
+        tuned = measured["p3-auto"]["tuned"]
+        rows.append([model, rate, *(speed[mode] for mode in (*MODES, "ddp")),
+                     *(speed[mode] / speed["baseline"] for mode in MODES[1:]),
+                     *(relative["baseline"] / relative[mode] for mode in MODES[1:]),
+                     ideal, speed["p3"] / ideal, speed["p3-auto"] / ideal, f"{compute * 1e3:.0f} / {wire * 1e3:.0f}",
+                     "not settled" if tuned is None else f"{tuned[0] // 1000}k, {tuned[1]}, {'after' if tuned[2] else 'during'}"])  # fmt: skip
     bar.close()
-    headers = ["model", "link", "baseline", "overlap", "p3", "ddp (gloo)", "overlap/baseline", "p3/baseline",
-               "overlap/baseline (per compute)", "p3/baseline (per compute)", "ideal", "p3/ideal",
-               "compute / wire ms"]  # fmt: skip
+    headers = ["model", "link", *MODES, "ddp (gloo)", *(f"{mode}/baseline" for mode in MODES[1:]),
+               *(f"{mode}/baseline (per compute)" for mode in MODES[1:]), "ideal", "p3/ideal", "p3-auto/ideal",
+               "compute / wire ms", "p3-auto chose"]  # fmt: skip
     table = markdown_table(headers, rows)
     note = (f"samples/s (global batch {WORKERS} x per-worker batch), {WORKERS} workers + {SERVERS} servers, "
             f"median of {args.runs} runs x {args.steps} steps; ideal = batch / max(compute, model bytes / rate); "
@@ -261,9 +272,7 @@ def sweep(args: argparse.Namespace) -> None:
     rows = []
     for size, mark in points:
         env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(size), "TANDEM_PS_WATER_MARK": str(mark)}
-        if size == 0:
-            env["P3BENCH_WARMUP"] = str(AUTO_WARMUP_STEPS)  # the tuner settles before the timed runs
-        measured = run_tandem(model, "p3", rate, args.runs, args.steps, env)
+        measured = run_tandem(model, "p3", rate, args.runs, args.steps, {**env, **_mode_env("p3-auto" if size == 0 else "p3")})
         label = "auto" + (f" -> {tuple(measured['tuned'])}" if measured["tuned"] else " (not settled)")
         rows.append([label if size == 0 else size, mark, MODELS[model][2] * WORKERS / measured["seconds"]])
     table = markdown_table(["slice size", "water mark", "samples/s"], rows)

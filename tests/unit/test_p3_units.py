@@ -108,7 +108,14 @@ def test_tuner_finds_the_best_point_of_a_bowl() -> None:
 
     tuner = _run_search(cost)
     assert tuner.result == best
-    assert len(tuner.history) <= 8  # a handful of points, not the whole 36-point grid
+    assert len(tuner.history) <= 10  # a handful of points (one past each axis' optimum), not the 42-point grid
+
+
+def test_one_unlucky_score_does_not_end_the_walk() -> None:
+    """80k scores no better than 40k (noise), but 160k is much better: the walk goes on past 80k."""
+    slice_cost = {40_000: 1.0, 80_000: 1.01, 160_000: 0.8, 320_000: 0.85}
+    result = _run_search(lambda config: slice_cost.get(config.slice_size, 1.2) + abs(config.water_mark - 10) / 100).result
+    assert result == (160_000, 10, False)
 
 
 def test_tuner_with_fixed_slicing_tunes_only_the_water_mark() -> None:

@@ -5,9 +5,10 @@ samples to fit a model. Here the objective is cheap to read directly (the store 
 so the time between two pushes of the same key *is* the iteration time, compute overlap included)
 and both knobs are small ordered grids with a single broad optimum, so a coordinate search is
 enough: measure the start point; walk the slice-size grid up while iteration time improves by more
-than ``tolerance``, else down; then the same for the water mark at the chosen slice size. Each
-point runs ``steps_per_trial`` iterations and scores the median of all but the first (which still
-carries traffic of the previous point). Typically 5-7 points, i.e. 20-30 iterations, then fixed.
+than ``tolerance`` (going on past one point that does not: scores are noisy), else down; then the
+same for the water mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations
+and scores the median of all but the first (which still carries traffic of the previous point).
+Typically 6-9 points, i.e. 25-40 iterations, then fixed.
 
 A trainer may also let it choose *when* gradients leave (``tune_send_timing``): during backward,
 as each segment ends (P3's point: overlap), or all at once after backward. Overlap only pays
@@ -42,22 +43,27 @@ WATER_MARKS = (1, 2, 4, 10, 20, 40)
 DEFAULT_SLICE_SIZE = 40_000  # MXNet's MXNET_KVSTORE_SLICE_THRESHOLD: where the search starts
 
 
-def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int],
-                      tolerance: float) -> Generator[tuple[int, ...], float, tuple[int, ...]]:  # fmt: skip
-    """Yields points to measure, receives their cost, returns the best point; one pass per axis."""
+def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], tolerance: float,
+                      patience: int = 1) -> Generator[tuple[int, ...], float, tuple[int, ...]]:  # fmt: skip
+    """Yields points to measure, receives their cost, returns the best point; one pass per axis.
+
+    Along an axis the walk goes on past up to ``patience`` points in a row that do not improve:
+    measured costs are noisy, and one unlucky score must not end a walk toward a much better point.
+    """
     best = list(start)
     best_cost = yield tuple(axis[index] for axis, index in zip(axes, best))
     for axis in range(len(axes)):
         for step in (1, -1):
-            moved = False
+            moved, misses = False, 0
             index = best[axis] + step
-            while 0 <= index < len(axes[axis]):
+            while 0 <= index < len(axes[axis]) and misses <= patience:
                 trial = best.copy()
                 trial[axis] = index
                 cost = yield tuple(grid[i] for grid, i in zip(axes, trial))
-                if cost >= best_cost * (1 - tolerance):
-                    break
-                best, best_cost, moved = trial, cost, True
+                if cost < best_cost * (1 - tolerance):
+                    best, best_cost, moved, misses = trial, cost, True, 0
+                else:
+                    misses += 1
                 index += step
             if moved:
                 break  # improved going up: no need to look down
