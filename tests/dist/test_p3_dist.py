@@ -206,8 +206,9 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
     expected = {key: value.reshape(-1).clone() for key, value in values.items()}
     checkpoint = Path(sys.argv[3]) / "checkpoint"
     for step in range(41):
-        if step == 40 or (kv.tuner.result is not None and step >= 12):  # save, then one more step
+        if step == 40 or (kv.tuner.result is not None and step >= 12):  # save and load, then one more step
             kv.save_server_state(str(checkpoint))  # moves the slots to the start slicing and back
+            kv.load_server_state(str(checkpoint))  # the same state again, moved to the live slicing
             saved_slots = [entry["key"] for path in checkpoint.glob("server-*.pt")
                            for entry in torch.load(path, weights_only=True)["slots"]]  # fmt: skip
             assert saved_slots and all(slot.startswith("p3/40000/") for slot in saved_slots), saved_slots

@@ -151,6 +151,14 @@ class P3KVStore(DistKVStore):
         if self._live != live:
             self._move_slots(live)
 
+    def load_server_state(self, path: str) -> None:
+        """As ``DistKVStore``'s; a tuned store then moves the saved start slicing to the one it uses now."""
+        super().load_server_state(path)
+        if self.tuner is not None:
+            live, self._live = self._live, self.tuner.start.slice_size  # what the checkpoint holds
+            if live != self._live:
+                self._move_slots(live)
+
 
 def _slot_key(slice_size: int, key: Key) -> str:
     """Where a tuned store keeps ``key`` while the slicing is ``slice_size``."""
