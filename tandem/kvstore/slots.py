@@ -99,19 +99,27 @@ class SlotTable:
         self.slots[slot_id] = Slot(shape, stored, self._new_state(stored))
 
     def put(self, slot_id: SlotId, shape: tuple[int, ...], value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        """A new slot holding copies of ``value`` and the optimizer ``state`` (where ``take`` moved them from)."""
+        """A new slot holding copies of ``value`` and the optimizer ``state`` (where ``take`` moved them from).
+
+        State tensors must be per element (1-D, the value's length and dtype) or scalars: what
+        every elementwise optimizer keeps (names are not checked: SGD creates its momentum lazily).
+        """
+        where = describe(slot_id, shape)
         if slot_id in self.slots:
-            raise RemoteError(f"{describe(slot_id, shape)} already exists; a slot is put only where none is")
+            raise RemoteError(f"{where} already exists; a slot is put only where none is")
         if self.optimizer is None and state:
-            raise RemoteError(f"{describe(slot_id, shape)}: optimizer state {sorted(state)} sent, but no optimizer is set")
+            raise RemoteError(f"{where}: optimizer state {sorted(state)} sent, but no optimizer is set")
+        for name, tensor in state.items():
+            per_element = tensor.dim() == 1 and tensor.numel() == value.numel() and tensor.dtype == value.dtype
+            if not (per_element or tensor.dim() == 0):
+                raise RemoteError(f"{where}: optimizer state {name!r} is {tuple(tensor.shape)} {tensor.dtype}; "
+                                  f"expected a scalar or ({value.numel()},) {value.dtype}")  # fmt: skip
         self._check_scope(slot_id, shape, self.optimizer)
         self.slots[slot_id] = Slot(shape, value.clone(), {name: tensor.clone() for name, tensor in state.items()})
 
     def take(self, slot_id: SlotId) -> Slot:
-        """Remove a slot and return it, once no network send reads its value any more."""
-        slot = self.slots.pop(slot_id)
-        self._wait_readers(slot)
-        return slot
+        """Remove a slot and return it (sends still reading its value keep their own reference)."""
+        return self.slots.pop(slot_id)
 
     def get(self, slot_id: SlotId, shape: tuple[int, ...], dtype: torch.dtype, action: str) -> Slot:
         """The slot, after checking that ``action`` addresses it with the initialised shape and dtype."""

@@ -91,6 +91,14 @@ def test_auto_tuning_with_a_server_side_optimizer_moves_values_and_state(optimiz
     assert len(worker_lines(output, " moved ")) == 2, output
 
 
+def test_take_and_put_misused_give_clear_errors(tmp_path: Path) -> None:
+    _run("slot-errors", "dist_sync", 1, 1, tmp_path)
+
+
+def test_auto_tuning_keeps_the_slicing_for_an_optimizer_needing_whole_tensors(tmp_path: Path) -> None:
+    _run("auto-lamb", "dist_p3", 1, 1, tmp_path, {"TANDEM_KVSTORE_SLICE_THRESHOLD": "0"})
+
+
 def _notices(output: str) -> list[int]:
     return [int(line.split("notices ")[1]) for line in worker_lines(output, " notices ")]
 
@@ -144,6 +152,10 @@ def _sums(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-
     pulled = [torch.empty(shape) for shape in SHAPES.values()]
     kv.pull(keys, pulled, priority=-3).wait(timeout=60)  # lower priority than its push: lane order holds
     saved.update({f"pull/{key}": out for key, out in zip(keys, pulled)})
+    # every reply with a value (2 pushpulls and a pull per slice) was received straight into its tensor
+    client = kv.sender._client if hasattr(kv, "sender") else kv._client
+    slices = sum(len(kv.placement.plan(key, torch.Size(shape).numel())) for key, shape in SHAPES.items())
+    assert client.landed == 3 * slices, (client.landed, slices)
     return saved
 
 
@@ -207,6 +219,8 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
     checkpoint = Path(sys.argv[3]) / "checkpoint"
     for step in range(41):
         if step == 40 or (kv.tuner.result is not None and step >= 12):  # save and load, then one more step
+            if kv._live == kv.tuner.start.slice_size:  # the tuner kept 40k: leave it, to test the moves below
+                kv._move_slots(160_000)
             kv.save_server_state(str(checkpoint))  # moves the slots to the start slicing and back
             kv.load_server_state(str(checkpoint))  # the same state again, moved to the live slicing
             saved_slots = [entry["key"] for path in checkpoint.glob("server-*.pt")
@@ -229,6 +243,52 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
     sizes = [config.slice_size for config, _ in kv.tuner.history]
     assert len(set(sizes)) >= 2, kv.tuner.history  # the slicing did change
     print(f"rank {rank} moved through slicings {sizes}, result {kv.tuner.result}")
+    return {}
+
+
+def _slot_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """TAKE and PUT misused: each a clear error to the caller, and the server keeps serving."""
+    from tandem.kvstore.dist.protocol import Command, Header, Role, state_payloads
+    from tandem.kvstore.errors import RemoteError
+    from tandem.optim import SGD
+
+    kv.init("w", torch.arange(10.0))
+
+    def request(command: Command, key: str, payloads: list, numel: int = 10) -> list:  # type: ignore[type-arg]
+        header = Header(command, 0, Role.WORKER, rank, key=key, dtype=torch.float32, shape=(numel,), slice_stop=numel)
+        return kv._client.call(0, header, payloads, 30).payloads
+
+    def refused(match: str, *args: object) -> None:
+        try:
+            request(*args)  # type: ignore[arg-type]
+        except RemoteError as error:
+            assert match in str(error), (match, error)
+        else:
+            raise AssertionError(f"{args[:2]} was accepted; expected an error with {match!r}")
+
+    refused("already exists", Command.PUT, "w", state_payloads(torch.zeros(10), {}))
+    refused("no optimizer is set", Command.PUT, "fresh", state_payloads(torch.zeros(10), {"m": torch.zeros(10)}))
+    refused("not JSON", Command.PUT, "fresh", [memoryview(b"{"), *state_payloads(torch.zeros(10), {})[1:]])
+    refused("never initialised", Command.TAKE, "never", [])
+    taken = request(Command.TAKE, "w", [])  # the slot leaves the server with its value...
+    assert torch.equal(torch.frombuffer(bytearray(taken[1]), dtype=torch.float32), torch.arange(10.0))
+    refused("never initialised", Command.PULL, "w", [])
+    request(Command.PUT, "w", state_payloads(torch.arange(10.0) * 2, {}))  # ...and comes back
+    kv.set_optimizer(SGD(lr=1.0, momentum=0.5))
+    refused("expected a scalar or (10,)", Command.PUT, "fresh", state_payloads(torch.zeros(10), {"m": torch.zeros(3)}))
+    out = torch.empty(10)
+    kv.pull("w", out).wait(timeout=30)
+    assert torch.equal(out, torch.arange(10.0) * 2), out
+    return {}
+
+
+def _auto_lamb(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    from tandem.optim import LAMB
+
+    kv.init("w", torch.ones(30_000))  # whole under 40k slices, cut under 20k, 10k or 5k
+    assert not kv.tuner.slicing_fixed
+    kv.set_optimizer(LAMB(lr=0.01))  # needs whole tensors: the slicing must stay
+    assert kv.tuner.slicing_fixed, kv.tuner.slice_sizes
     return {}
 
 
@@ -264,6 +324,8 @@ def main(mode: str, kind: str, out: str) -> None:
         "priority": _priority,
         "auto": _auto,
         "auto-optimizer": _auto_optimizer,
+        "slot-errors": _slot_errors,
+        "auto-lamb": _auto_lamb,
         "opposite": _opposite,
         "launched": _launched,
     }[mode](kv, kv.rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import replace
 from enum import IntEnum
@@ -164,14 +165,21 @@ def test_tensor_bytes_views_memory_of_every_dtype_in_order() -> None:
 def test_slot_state_round_trips_and_bad_tables_are_rejected() -> None:
     value = torch.linspace(0, 1, 6)
     state = {"step": torch.tensor(3.0), "exp_avg": torch.arange(6.0), "flags": torch.ones(2, 3, dtype=torch.bool)}
-    frames = [memoryview(bytes(frame)) for frame in state_payloads(value, state)]  # as received: copies
+    frames = [memoryview(bytearray(frame)) for frame in state_payloads(value, state)]  # as received: copies
     got_value, got_state = state_from_payloads(frames, torch.float32, 6)
     assert torch.equal(got_value, value) and got_state.keys() == state.keys()
     assert all(torch.equal(got_state[name], tensor) for name, tensor in state.items())
+    good = [["exp_avg", 1, [6]], ["flags", 10, [2, 3]], ["step", 1, []]]  # sorted by name, as sent
+    assert json.loads(bytes(frames[0])) == good
     for table, reason in [(b"not json", "not JSON"), (b"[]", "one entry per state frame"),
-                          (b'[["step", 99, []], ["a", 1, [6]], ["f", 10, [2, 3]]]', "unknown dtype code"),
-                          (b'[["step", 1, [-1]], ["a", 1, [6]], ["f", 10, [2, 3]]]', "bad optimizer state entry")]:  # fmt: skip
+                          ([good[0], good[1], ["step", 99, []]], "unknown dtype code"),
+                          ([good[0], good[1], ["step", 1, [-1]]], "bad optimizer state entry"),
+                          ([good[0], good[1], ["step", 1, [2**62, 0]]], "bad optimizer state entry"),
+                          ([good[0], good[1], "step"], "bad optimizer state entry"),
+                          ([good[0], good[1], ["exp_avg", 1, [6]]], "listed twice"),
+                          ([good[0], good[1], ["step", 1, [2]]], "does not hold")]:  # fmt: skip
+        raw = table if isinstance(table, bytes) else json.dumps(table).encode()
         with pytest.raises(ProtocolError, match=reason):
-            state_from_payloads([memoryview(table), *frames[1:]], torch.float32, 6)
+            state_from_payloads([memoryview(bytearray(raw)), *frames[1:]], torch.float32, 6)
     with pytest.raises(ProtocolError, match="does not hold"):
         state_from_payloads(frames, torch.float32, 7)

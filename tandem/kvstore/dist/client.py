@@ -83,6 +83,7 @@ class Client:
         self._closing = threading.Event()
         self.on_received: Callable[[int, Header], None] | None = None  # P3: (server, header) of a parked request
         self._abort_reason = ""  # set by abort(): send ABORT, not goodbye
+        self.landed = 0  # replies received straight into their output tensor (IO thread counts; for tests)
         self._thread = threading.Thread(target=self._run, name=f"tandem-kvstore-worker-{rank}", daemon=True)
         self._thread.start()
 
@@ -185,6 +186,7 @@ class Client:
         if header.error:
             request.on_error(RemoteError(f"server {server}: {_text(message, 'unknown error')}"))
             return
+        self.landed += message.landed
         try:
             request.on_reply(message)
         except BaseException as error:  # noqa: BLE001 - a bad reply fails its own request only
@@ -232,7 +234,10 @@ class Client:
                     f"server {server} ({self.addresses[server]}) stopped answering: no heartbeat for "
                     f"{self.options.timeout:.1f} s"
                 )
-            self.transport.send(server, Header(Command.HEARTBEAT, 0, Role.WORKER, self.rank))
+            try:  # never wait here: this thread drains the replies; any message proves liveness anyway
+                self.transport.send(server, Header(Command.HEARTBEAT, 0, Role.WORKER, self.rank), wait=False)
+            except zmq.Again:
+                pass
 
     def _fail(self, failure: PeerFailure) -> None:
         with self._lock:

@@ -14,8 +14,10 @@ parameter server's: ``P3KVStore`` is a ``DistKVStore`` with another placement an
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,7 @@ from tandem.kvstore.errors import KVStoreError
 
 P3_KINDS = {"dist_p3": "dist_sync", "dist_p3_async": "dist_async"}  # P3 kind -> the rounds it runs
 AUTO = 0  # slice_size (TANDEM_KVSTORE_SLICE_THRESHOLD) meaning "tune it"
+_STORES_CREATED = itertools.count()  # names each store's tuner agreements in the rendezvous store
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class P3KVStore(DistKVStore):
         self._live = start  # the slicing the servers' slots are cut by
         self._keys: dict[Key, tuple[tuple[int, ...], torch.dtype]] = {}  # shape and dtype, to move slots
         self._agreements = 0
+        # unique per job incarnation (servers' ephemeral ports) and per store (workers create them in step)
+        job = zlib.crc32(" ".join(address.endpoint for address in self.addresses).encode())
+        self._agreement_prefix = f"p3/tuner/{job:08x}/{next(_STORES_CREATED)}"
         # Read by the trainer each step: hold this step's gradients until backward ends (the tuner's
         # choice where overlapping communication with backward costs more CPU than it saves wire time).
         self.send_after_backward = False
@@ -122,8 +128,8 @@ class P3KVStore(DistKVStore):
         if not self.options.sync or self.tuner is None or self.tuner.slicing_fixed:
             return cost  # only the water mark is searched: a per-worker choice
         self._agreements += 1
-        return mean_over_workers(self.rendezvous, f"p3/tuner/{self._agreements}", self.rank, self.num_workers,
-                                 cost, knob("TANDEM_PS_WAIT_TIMEOUT"))  # fmt: skip
+        return mean_over_workers(self.rendezvous, f"{self._agreement_prefix}/{self._agreements}", self.rank,
+                                 self.num_workers, cost, knob("TANDEM_PS_WAIT_TIMEOUT"))  # fmt: skip
 
     def _sliced(self, size: int, command: Command, items: list[Item], priority: int, what: str) -> Handle:
         self.placement = RoundRobinPlacement(self.num_servers, size)
@@ -141,6 +147,16 @@ class P3KVStore(DistKVStore):
         super().init(keys, values)
         self._keys.update((key, (tuple(tensors[0].shape), tensors[0].dtype))
                           for key, tensors in normalize(keys, values, "init"))  # fmt: skip
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """As ``DistKVStore``'s; a rule needing whole tensors (LAMB) pins the slicing: its slots cannot be recut."""
+        if self.tuner is not None and not getattr(optimizer, "elementwise", True):
+            try:
+                self.tuner.fix_slice_size()
+            except RuntimeError:
+                raise KVStoreError(f"with slice_size='auto', set {type(optimizer).__name__} (it needs whole "
+                                   f"tensors) before the first push") from None  # fmt: skip
+        super().set_optimizer(optimizer)
 
     def save_server_state(self, path: str) -> None:
         """As ``DistKVStore``'s; a tuned store saves its start slicing, the one a restored store begins with."""

@@ -23,6 +23,7 @@ import torch
 from tandem.kvstore.base import Handle
 from tandem.kvstore.dist.placement import Placement, Slice
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role, state_from_payloads, state_payloads
+from tandem.kvstore.errors import KVStoreError
 
 
 class Move(NamedTuple):
@@ -40,10 +41,12 @@ def move_slots(client: Any, rank: int, moves: list[Move], old: Placement, new: P
     ``client`` is the worker's ``Client`` (or P3's sender, which passes TAKE and PUT straight on).
     """
     taken = [_take(client, rank, move, old.plan(move.old_key, math.prod(move.shape))) for move in moves]
-    for handle, _, _ in taken:
+    for move, (handle, _, _, names) in zip(moves, taken):
         handle.wait()
+        if len(set(names)) > 1:  # cannot happen: every round updates every slot of a key
+            raise KVStoreError(f"the slots of {move.old_key} hold different optimizer state: {sorted(set(names))}")
     handles = [_put(client, rank, move, value, state, new.plan(move.new_key, math.prod(move.shape)))
-               for move, (_, value, state) in zip(moves, taken)]  # fmt: skip
+               for move, (_, value, state, _) in zip(moves, taken)]  # fmt: skip
     for handle in handles:
         handle.wait()
 
@@ -53,25 +56,29 @@ def _header(command: Command, rank: int, key: str, move: Move, part: Slice) -> H
                   slice_start=part.start, slice_stop=part.stop)  # fmt: skip
 
 
-def _take(client: Any, rank: int, move: Move,
-          parts: list[Slice]) -> tuple[Handle, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+Taken = tuple[Handle, torch.Tensor, dict[str, torch.Tensor], list[tuple[str, ...]]]  # ..., state names per slot
+
+
+def _take(client: Any, rank: int, move: Move, parts: list[Slice]) -> Taken:
     value = torch.empty(math.prod(move.shape), dtype=move.dtype)
     state: dict[str, torch.Tensor] = {}
+    names: list[tuple[str, ...]] = []
     handle = Handle(f"take {move.old_key}", len(parts))
     for part in parts:
         client.submit(part.server, _header(Command.TAKE, rank, move.old_key, move, part), [],
-                      partial(_taken, value, state, part, handle), handle.fail)  # fmt: skip
-    return handle, value, state
+                      partial(_taken, value, state, names, part, handle), handle.fail)  # fmt: skip
+    return handle, value, state, names
 
 
-def _taken(value: torch.Tensor, state: dict[str, torch.Tensor], part: Slice, handle: Handle,
-           message: Message) -> None:  # fmt: skip
+def _taken(value: torch.Tensor, state: dict[str, torch.Tensor], names: list[tuple[str, ...]], part: Slice,
+           handle: Handle, message: Message) -> None:  # fmt: skip
     """One old slot's reply (IO thread): its value and state land in the whole-key tensors."""
     part_value, part_state = state_from_payloads(message.payloads, value.dtype, part.numel)
     value[part.start : part.stop] = part_value
+    names.append(tuple(sorted(part_state)))
     for name, tensor in part_state.items():
         if _per_element(tensor, part.numel):
-            state.setdefault(name, tensor.new_empty(value.numel()))[part.start : part.stop] = tensor
+            state.setdefault(name, tensor.new_zeros(value.numel()))[part.start : part.stop] = tensor
         else:
             state[name] = tensor.clone()
     handle.part_done()

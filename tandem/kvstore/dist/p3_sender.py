@@ -242,7 +242,7 @@ class PrioritySender:
                 trace.record(f"receive {header.key}[{self._slice(header)}]", start, trace.now_us(), "comm",
                              self._args(request, start), self._receive_row)  # fmt: skip
 
-        return on_reply
+        return _landing_like(on_reply, request.on_reply)
 
     def _released_reply(self, request: _Request, slot: _Slot) -> Callable[[Message], None]:
         traced = self._traced(request)
@@ -251,7 +251,7 @@ class PrioritySender:
             self._release(slot)
             traced(message)
 
-        return on_reply
+        return _landing_like(on_reply, request.on_reply)
 
     def _released_error(self, request: _Request, slot: _Slot) -> Callable[[BaseException], None]:
         def on_error(error: BaseException) -> None:
@@ -270,3 +270,10 @@ class PrioritySender:
         with self._cond:
             self._fail_queued(KVStoreError("the kvstore closed before this request was sent"))
         self._client.close(timeout=max(0.1, deadline - time.monotonic()))
+
+
+def _landing_like(wrapper: Callable[[Message], None], inner: Callable[[Message], None]) -> Callable[[Message], None]:
+    """``wrapper`` with ``inner``'s ``landing`` (where ``Client`` receives a pull's reply in place):
+    without it every P3 reply was received into a fresh frame, then copied into its tensor."""
+    wrapper.landing = getattr(inner, "landing", None)  # type: ignore[attr-defined]
+    return wrapper

@@ -116,7 +116,7 @@ class AutoTuner:
         return self._current or self.start
 
     def fix_slice_size(self) -> None:
-        """Keep the slicing (server-side optimizers and async mode cannot change it).
+        """Keep the slicing (async workers cannot agree on a switch; LAMB on the servers needs whole tensors).
 
         Must come before the search starts: the workers' paths would differ otherwise.
         """

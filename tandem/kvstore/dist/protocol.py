@@ -395,9 +395,10 @@ def state_from_payloads(payloads: Sequence[memoryview], dtype: torch.dtype,
     for entry, payload in zip(contents, payloads[2:]):
         valid = (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                  and isinstance(entry[1], int) and isinstance(entry[2], list) and len(entry[2]) <= MAX_NDIM
-                 and all(isinstance(size, int) and size >= 0 for size in entry[2]))  # fmt: skip
+                 and all(isinstance(size, int) and 0 <= size < 2**62 for size in entry[2]))  # fmt: skip
         _check(valid, f"bad optimizer state entry {entry!r}: expected [name, dtype code, shape]")
         name, code, shape = entry
+        _check(name not in state, f"optimizer state {name!r} listed twice")
         tensor = tensor_from_bytes(payload, _lookup(CODE_DTYPES, code, "dtype"), math.prod(shape))
         state[name] = tensor.view(shape)
     return tensor_from_bytes(payloads[1], dtype, numel), state

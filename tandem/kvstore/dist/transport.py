@@ -65,11 +65,11 @@ class _Endpoint:
         except ProtocolError as error:
             return Incoming(peer, None, error)
 
-    def _socket(self, kind: int, endpoint: str, identity: bytes = b"") -> zmq.Socket:
+    def _socket(self, kind: int, endpoint: str, identity: bytes, send_timeout: float) -> zmq.Socket:
         socket = self.context.socket(kind)
         socket.setsockopt(zmq.LINGER, 500)  # queued goodbyes get half a second to leave at close
-        if identity:
-            socket.setsockopt(zmq.IDENTITY, identity)
+        socket.setsockopt(zmq.IDENTITY, identity)
+        socket.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))  # a backstop: sends start NOBLOCK anyway
         socket.connect(endpoint)
         return socket
 
@@ -126,7 +126,7 @@ class WorkerTransport(_Endpoint):
 
     def __init__(self, secret: bytes, endpoints: list[str], identity: bytes, send_timeout: float) -> None:
         super().__init__(secret)
-        self.sockets = [self._socket(zmq.DEALER, endpoint, identity=identity) for endpoint in endpoints]
+        self.sockets = [self._socket(zmq.DEALER, endpoint, identity, send_timeout) for endpoint in endpoints]
         self._locks = [threading.Lock() for _ in self.sockets]
         self._send_timeout = send_timeout
         wake_address = f"inproc://wake-{id(self)}"
@@ -136,40 +136,47 @@ class WorkerTransport(_Endpoint):
         self._wake_out.connect(wake_address)
         self._wake_lock = threading.Lock()
         self._backlog = False  # the last poll stopped at MAX_BATCH: the descriptors will not signal it again
+        self._first = 0  # the socket drained first
         self._poller = zmq.Poller()
         self._poller.register(self._wake_in, zmq.POLLIN)
         for socket in self.sockets:  # the descriptors, not the sockets: polling a socket would use it unlocked
             self._poller.register(cast(int, socket.get(zmq.FD)), zmq.POLLIN)
 
     def wake(self) -> None:
-        """Interrupt a ``poll`` in the IO thread. Thread safe."""
+        """Interrupt a ``poll`` in the IO thread. Thread safe; never blocks (a wake already queued will do)."""
         with self._wake_lock:
-            self._wake_out.send(b"", zmq.NOBLOCK)
+            try:
+                self._wake_out.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
-    def send(self, server: int, header: Header, payloads: Sequence[Any] = (), request_id: int | None = None) -> None:
-        """Send to ``server``. Thread safe; raises ``zmq.Again`` when it accepted nothing for the send timeout.
+    def send(self, server: int, header: Header, payloads: Sequence[Any] = (), request_id: int | None = None,
+             wait: bool = True) -> None:  # fmt: skip
+        """Send to ``server``. Thread safe; raises ``zmq.Again`` when it accepted nothing for the send
+        timeout (at once with ``wait=False``: the IO thread must not stop draining replies).
 
         ``request_id`` overrides the header's (so callers need not rebuild the frozen header).
         """
         head = self._head(header, payloads, request_id)
         socket, lock = self.sockets[server], self._locks[server]
-        deadline = None
+        deadline = time.monotonic() + self._send_timeout
         while True:
             with lock:
                 try:
                     socket.send(head, zmq.NOBLOCK | (SNDMORE if payloads else 0))
+                    sent = True
                 except zmq.Again:
-                    pass
+                    sent = False
                 else:  # the first frame went: the rest of a multipart message always follows
                     _send_payloads(socket, payloads, track=False)
-                    readable = _readable(socket)  # a reply whose notice this send consumed?
-                    break
-            deadline = deadline or time.monotonic() + self._send_timeout
-            if time.monotonic() > deadline:
+                readable = _readable(socket)  # a reply whose notice this attempt consumed?
+            if readable:
+                self.wake()
+            if sent:
+                return
+            if not wait or time.monotonic() > deadline:
                 raise zmq.Again()
             time.sleep(0.001)  # the server is not reading: back off without holding the lock
-        if readable:
-            self.wake()
 
     def poll(self, timeout: float, landing: Landing | None = None) -> list[Incoming]:
         """IO thread only: replies and notices arriving within ``timeout`` seconds (or until ``wake``).
@@ -183,7 +190,9 @@ class WorkerTransport(_Endpoint):
                 while _drain_one(self._wake_in):
                     pass
         self._backlog = False
-        for server, socket in enumerate(self.sockets):  # every one: a sender may have consumed its notice
+        first = self._first = (self._first + 1) % len(self.sockets)  # a backlog must not favour server 0
+        for server in [*range(first, len(self.sockets)), *range(first)]:  # every one: a sender may have consumed its notice
+            socket = self.sockets[server]
             with self._locks[server]:
                 while _readable(socket):
                     if len(received) == MAX_BATCH:
