@@ -12,9 +12,10 @@ A DEALER is not thread safe, yet requests leave from the calling thread (handing
 thread costs a thread switch and a GIL hand-over per message, which dominated small transfers)
 while the IO thread receives replies. So each DEALER is used only under its lock, and the IO thread
 never blocks inside ZeroMQ: it waits on the socket's notification descriptor (``ZMQ_FD``) and
-drains under the lock. That descriptor is edge-triggered: a send may consume the notice of a reply
-that arrived meanwhile, so a sender that sees the socket readable after sending wakes the IO
-thread itself. Sends never block under the lock (``NOBLOCK``, retried until the send timeout).
+drains under the lock. That descriptor is edge-triggered: a send (even a refused one) may consume
+the notice of a reply that arrived meanwhile, so a sender that finds the socket readable after
+trying wakes the IO thread itself. Sends never block under the lock (``NOBLOCK``, retried until
+the send timeout; the IO thread's heartbeats are not retried).
 
 Tensor payloads of at least ``ZERO_COPY_BYTES`` go out with ``copy=False`` (ZeroMQ reads the
 tensor's memory directly); a pull's reply is received straight into the output tensor
@@ -65,13 +66,6 @@ class _Endpoint:
         except ProtocolError as error:
             return Incoming(peer, None, error)
 
-    def _socket(self, kind: int, endpoint: str, identity: bytes, send_timeout: float) -> zmq.Socket:
-        socket = self.context.socket(kind)
-        socket.setsockopt(zmq.LINGER, 500)  # queued goodbyes get half a second to leave at close
-        socket.setsockopt(zmq.IDENTITY, identity)
-        socket.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))  # a backstop: sends start NOBLOCK anyway
-        socket.connect(endpoint)
-        return socket
 
     def close(self) -> None:
         self.context.destroy(linger=500)
@@ -126,7 +120,7 @@ class WorkerTransport(_Endpoint):
 
     def __init__(self, secret: bytes, endpoints: list[str], identity: bytes, send_timeout: float) -> None:
         super().__init__(secret)
-        self.sockets = [self._socket(zmq.DEALER, endpoint, identity, send_timeout) for endpoint in endpoints]
+        self.sockets = [self._dealer(endpoint, identity, send_timeout) for endpoint in endpoints]
         self._locks = [threading.Lock() for _ in self.sockets]
         self._send_timeout = send_timeout
         wake_address = f"inproc://wake-{id(self)}"
@@ -141,6 +135,14 @@ class WorkerTransport(_Endpoint):
         self._poller.register(self._wake_in, zmq.POLLIN)
         for socket in self.sockets:  # the descriptors, not the sockets: polling a socket would use it unlocked
             self._poller.register(cast(int, socket.get(zmq.FD)), zmq.POLLIN)
+
+    def _dealer(self, endpoint: str, identity: bytes, send_timeout: float) -> zmq.Socket:
+        socket = self.context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 500)  # queued goodbyes get half a second to leave at close
+        socket.setsockopt(zmq.IDENTITY, identity)
+        socket.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))  # a backstop: sends start NOBLOCK anyway
+        socket.connect(endpoint)
+        return socket
 
     def wake(self) -> None:
         """Interrupt a ``poll`` in the IO thread. Thread safe; never blocks (a wake already queued will do)."""
