@@ -107,6 +107,9 @@ class SlotTable:
         where = describe(slot_id, shape)
         if slot_id in self.slots:
             raise RemoteError(f"{where} already exists; a slot is put only where none is")
+        sibling = next((other for (key, *_), other in self.slots.items() if key == slot_id[0]), None)
+        if sibling is not None and (sibling.shape != shape or sibling.value.dtype != value.dtype):
+            raise RemoteError(f"{where} {value.dtype}: other slots of the key are {sibling.shape} {sibling.value.dtype}")
         if self.optimizer is None and state:
             raise RemoteError(f"{where}: optimizer state {sorted(state)} sent, but no optimizer is set")
         for name, tensor in state.items():

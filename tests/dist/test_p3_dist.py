@@ -270,6 +270,7 @@ def _slot_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-u
     refused("no optimizer is set", Command.PUT, "fresh", state_payloads(torch.zeros(10), {"m": torch.zeros(10)}))
     refused("not JSON", Command.PUT, "fresh", [memoryview(b"{"), *state_payloads(torch.zeros(10), {})[1:]])
     refused("never initialised", Command.TAKE, "never", [])
+    refused("other slots of the key are (10,)", Command.PUT, "w", state_payloads(torch.zeros(4), {}), 4)
     taken = request(Command.TAKE, "w", [])  # the slot leaves the server with its value...
     assert torch.equal(torch.frombuffer(bytearray(taken[1]), dtype=torch.float32), torch.arange(10.0))
     refused("never initialised", Command.PULL, "w", [])
