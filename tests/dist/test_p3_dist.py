@@ -206,6 +206,7 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
     """Parameters on the servers while the tuner switches slicing: each step equals a local update."""
     import os
 
+    from tandem.kvstore.dist import p3_reslice
     from tandem.optim import SGD, AdamW
 
     shapes = {"a": (100_003,), "b": (300, 401), "c": (50,)}  # 3, 4 and 1 slices of 40k; 2, 2, 1 of 80k...
@@ -214,6 +215,7 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
     kv.init(list(shapes), list(values.values()))
     kv.set_optimizer(make())
     kv.tuner.warmup, kv.tuner.steps_per_trial = 1, 2  # switch often: every switch moves every key
+    p3_reslice.BATCH_ELEMENTS = 60_000  # and in batches: worker 0's keys "a" and "c" move one after the other
     reference, states = make(), {key: make().create_state(value.reshape(-1)) for key, value in values.items()}
     expected = {key: value.reshape(-1).clone() for key, value in values.items()}
     checkpoint = Path(sys.argv[3]) / "checkpoint"

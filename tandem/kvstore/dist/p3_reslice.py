@@ -26,6 +26,9 @@ from tandem.kvstore.dist.protocol import Command, Header, Message, Role, state_f
 from tandem.kvstore.errors import KVStoreError
 
 
+BATCH_ELEMENTS = 16 * 1024 * 1024  # per batch of keys in flight: 64 MB of float32 values, plus their state
+
+
 class Move(NamedTuple):
     """One key to move: its slot key under the old and the new slicing, its shape and dtype."""
 
@@ -35,11 +38,26 @@ class Move(NamedTuple):
     dtype: torch.dtype
 
 
-def move_slots(client: Any, rank: int, moves: list[Move], old: Placement, new: Placement) -> None:
+def move_slots(client: Any, rank: int, moves: list[Move], old: Placement, new: Placement,
+               batch_elements: int | None = None) -> None:  # fmt: skip
     """Take every move's old slots, then put its new ones; blocks until the servers answered all.
 
     ``client`` is the worker's ``Client`` (or P3's sender, which passes TAKE and PUT straight on).
+    Keys move in batches of about ``batch_elements`` elements (``BATCH_ELEMENTS``), so a worker
+    never holds more of the model (and its optimizer state) than that at once.
     """
+    limit = BATCH_ELEMENTS if batch_elements is None else batch_elements
+    batch: list[Move] = []
+    for move in moves:
+        batch.append(move)
+        if sum(math.prod(queued.shape) for queued in batch) >= limit:
+            _move_batch(client, rank, batch, old, new)
+            batch = []
+    if batch:
+        _move_batch(client, rank, batch, old, new)
+
+
+def _move_batch(client: Any, rank: int, moves: list[Move], old: Placement, new: Placement) -> None:
     taken = [_take(client, rank, move, old.plan(move.old_key, math.prod(move.shape))) for move in moves]
     for move, (handle, _, _, names) in zip(moves, taken):
         handle.wait()
