@@ -107,7 +107,7 @@ class SlotTable:
         where = describe(slot_id, shape)
         if slot_id in self.slots:
             raise RemoteError(f"{where} already exists; a slot is put only where none is")
-        sibling = next((other for (key, *_), other in self.slots.items() if key == slot_id[0]), None)
+        sibling = self._any_slot_of(slot_id[0])
         if sibling is not None and (sibling.shape != shape or sibling.value.dtype != value.dtype):
             raise RemoteError(f"{where} {value.dtype}: other slots of the key are {sibling.shape} {sibling.value.dtype}")
         if self.optimizer is None and state:
@@ -127,7 +127,7 @@ class SlotTable:
     def get(self, slot_id: SlotId, shape: tuple[int, ...], dtype: torch.dtype, action: str) -> Slot:
         """The slot, after checking that ``action`` addresses it with the initialised shape and dtype."""
         slot = self.slots.get(slot_id)
-        known = slot or next((other for (key, *_), other in self.slots.items() if key == slot_id[0]), None)
+        known = slot or self._any_slot_of(slot_id[0])
         if known is None:
             raise RemoteError(
                 f"{action} of {describe(slot_id, shape)}: key was never initialised; call init first "
@@ -139,6 +139,10 @@ class SlotTable:
                 f"initialised as {known.shape} {known.value.dtype}"
             )
         return slot
+
+    def _any_slot_of(self, key: Key) -> Slot | None:
+        """Some slot of ``key`` (all of a key's slots share its shape and dtype), or None."""
+        return next((slot for (other, *_), slot in self.slots.items() if other == key), None)
 
     def set_optimizer(self, optimizer_json: str) -> None:
         self.set_optimizer_object(optimizer_from_json(optimizer_json))

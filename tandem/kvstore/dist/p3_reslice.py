@@ -48,11 +48,13 @@ def move_slots(client: Any, rank: int, moves: list[Move], old: Placement, new: P
     """
     limit = BATCH_ELEMENTS if batch_elements is None else batch_elements
     batch: list[Move] = []
+    elements = 0
     for move in moves:
         batch.append(move)
-        if sum(math.prod(queued.shape) for queued in batch) >= limit:
+        elements += math.prod(move.shape)
+        if elements >= limit:
             _move_batch(client, rank, batch, old, new)
-            batch = []
+            batch, elements = [], 0
     if batch:
         _move_batch(client, rank, batch, old, new)
 

@@ -66,7 +66,6 @@ class _Endpoint:
         except ProtocolError as error:
             return Incoming(peer, None, error)
 
-
     def close(self) -> None:
         self.context.destroy(linger=500)
 
@@ -192,8 +191,8 @@ class WorkerTransport(_Endpoint):
                 while _drain_one(self._wake_in):
                     pass
         self._backlog = False
-        first = self._first = (self._first + 1) % len(self.sockets)  # a backlog must not favour server 0
-        for server in [*range(first, len(self.sockets)), *range(first)]:  # every one: a sender may have consumed its notice
+        start = self._first = (self._first + 1) % len(self.sockets)  # a backlog must not favour server 0
+        for server in [*range(start, len(self.sockets)), *range(start)]:  # every one: a sender may have consumed its notice
             socket = self.sockets[server]
             with self._locks[server]:
                 while _readable(socket):
