@@ -2,6 +2,8 @@
 
 Cases, all measured in one run and interleaved round by round (median of --runs rounds):
 - raw zmq: send N bytes to an echo process (DEALER -> ROUTER) and receive them back, zero-copy;
+- raw zmq push+pull: the least a push then a pull can do over ZeroMQ from Python: a tagged push
+  the peer keeps and acknowledges, then a pull answered with it, received into ``out``;
 - kvstore 1s / 2s: a ``dist_sync`` store with one worker (this process) and 1 or 2 server
   processes: ``push`` then ``pull`` of an N-byte float32 tensor (the result copied into ``out``);
   ``pushpull`` (one message each way) is shown too;
@@ -11,6 +13,10 @@ Arrays of >= 1M elements (4 MB) are split over the servers, as ps-lite does.
 
 Reproduce: .venv/bin/python bench/kvstore.py  (options: --runs, --sizes; see --help)
 Writes bench/out/kvstore.png and bench/out/kvstore.md.
+
+``--cpu`` (Linux) instead says where the time of one operation goes: per case, the CPU that the
+caller's and the peer's threads spent per operation (``/proc/<pid>/task/*/schedstat``), split into
+libzmq's IO threads and the interpreter's threads. Writes bench/out/kvstore_cpu.md.
 """
 
 from __future__ import annotations
@@ -58,6 +64,23 @@ def echo_main(port_file: str) -> None:
         socket.send_multipart(frames, copy=False)
 
 
+def store_main(port_file: str) -> None:
+    """Child: a bare push/pull peer: keeps each pushed frame (acknowledged), answers pulls with it."""
+    socket = zmq.Context().socket(zmq.ROUTER)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    Path(port_file).write_text(str(port))
+    kept = zmq.Frame(b"")
+    while True:
+        peer, tag, *payload = socket.recv_multipart(copy=False)
+        if tag.bytes == b"stop":
+            return
+        if tag.bytes == b"push":
+            kept = payload[0]
+            socket.send_multipart([peer, b"ack"], copy=False)
+        else:
+            socket.send_multipart([peer, b"value", kept], copy=False)
+
+
 def gloo_main(port: int) -> None:
     """Child: rank 1 of a gloo group; runs as many all_reduces of as many bytes as rank 0 announces."""
     torch.set_num_threads(1)
@@ -81,8 +104,10 @@ class Processes:
     def __init__(self) -> None:
         self.children: list[subprocess.Popen[bytes]] = []
 
-    def start(self, args: list[str], env: dict[str, str]) -> None:
+    def start(self, args: list[str], env: dict[str, str]) -> int:
+        """Start a child; returns its pid."""
         self.children.append(subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT))
+        return self.children[-1].pid
 
     def stop(self) -> None:
         for child in self.children:
@@ -92,34 +117,49 @@ class Processes:
             child.wait(timeout=10)
 
 
-def raw_echo(processes: Processes, tmp: Path) -> tuple[zmq.Socket, Callable[[memoryview], None]]:
-    port_file = tmp / f"echo-{os.getpid()}.port"
+def raw_peer(processes: Processes, tmp: Path, role: str) -> tuple[zmq.Socket, int]:
+    """A DEALER connected to a new ``echo_main`` or ``store_main`` child (``role``), and its pid."""
+    port_file = tmp / f"{role}-{os.getpid()}.port"
     port_file.unlink(missing_ok=True)
-    processes.start([__file__, "--child", "echo", str(port_file)], _child_env())
+    pid = processes.start([__file__, "--child", role, str(port_file)], _child_env())
     deadline = time.monotonic() + 60
     while not port_file.exists() or not port_file.read_text():
         if time.monotonic() > deadline:
-            raise TimeoutError("the echo process did not start within 60 s")
+            raise TimeoutError(f"the {role} process did not start within 60 s")
         time.sleep(0.05)
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.connect(f"tcp://127.0.0.1:{port_file.read_text()}")
+    return socket, pid
 
+
+def raw_round_trip(socket: zmq.Socket) -> Callable[[memoryview], None]:
     def round_trip(payload: memoryview) -> None:
         socket.send(payload, copy=payload.nbytes < 65536)
         socket.recv(copy=False)
 
-    return socket, round_trip
+    return round_trip
 
 
-def kvstore_job(processes: Processes, servers: int) -> tuple[DistKVStore, dist.TCPStore]:
-    """This process as the only worker of a dist_sync job with ``servers`` server processes."""
+def raw_push_pull(socket: zmq.Socket) -> Callable[[memoryview, memoryview], None]:
+    def push_pull(payload: memoryview, out: memoryview) -> None:
+        socket.send(b"push", zmq.SNDMORE)
+        socket.send(payload, copy=payload.nbytes < 65536)
+        socket.send(b"pull")
+        socket.recv()  # the push's acknowledgement
+        socket.recv()  # the pull's tag; its value follows, received in place as a kvstore pull is
+        socket.recv_into(out)
+
+    return push_pull
+
+
+def kvstore_job(processes: Processes, servers: int) -> tuple[DistKVStore, dist.TCPStore, list[int]]:
+    """This process as the only worker of a dist_sync job with ``servers`` server processes (pids)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = _child_env(TANDEM_NUM_WORKERS="1", TANDEM_NUM_SERVERS=str(servers), TANDEM_MASTER_ADDR="127.0.0.1",
                      TANDEM_MASTER_PORT=str(store.port), TANDEM_ROLE="server")  # fmt: skip
-    for rank in range(servers):
-        processes.start(["-m", "tandem.kvstore.dist"], {**env, "TANDEM_RANK": str(rank)})
+    pids = [processes.start(["-m", "tandem.kvstore.dist"], {**env, "TANDEM_RANK": str(rank)}) for rank in range(servers)]
     topology = Topology("worker", 0, 1, servers, "127.0.0.1", store.port, servers + 1)
-    return DistKVStore(topology, DistOptions.from_env("dist_sync")), store
+    return DistKVStore(topology, DistOptions.from_env("dist_sync")), store, pids
 
 
 def gloo_group(processes: Processes) -> dist.TCPStore:
@@ -148,10 +188,12 @@ def measure(cases: dict[str, Callable[[int], None]], count: int, runs: int) -> d
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def size_cases(size: int, echo: Callable[[memoryview], None], stores: dict[str, DistKVStore]) -> dict[str, Callable[[int], None]]:
+def size_cases(size: int, echo: Callable[[memoryview], None], raw_store: Callable[[memoryview, memoryview], None],
+               stores: dict[str, DistKVStore]) -> dict[str, Callable[[int], None]]:  # fmt: skip
     numel = size // 4
     payload = memoryview(torch.ones(numel).numpy()).cast("B")
     value, out, data = torch.ones(numel), torch.empty(numel), torch.ones(numel)
+    raw_out = memoryview(torch.empty(numel).numpy()).cast("B")
 
     def repeat(operation: Callable[[], None]) -> Callable[[int], None]:
         def loop(count: int) -> None:
@@ -160,7 +202,10 @@ def size_cases(size: int, echo: Callable[[memoryview], None], stores: dict[str, 
 
         return loop
 
-    cases: dict[str, Callable[[int], None]] = {"raw zmq": repeat(lambda: echo(payload))}
+    cases: dict[str, Callable[[int], None]] = {
+        "raw zmq": repeat(lambda: echo(payload)),
+        "raw zmq push+pull": repeat(lambda: raw_store(payload, raw_out)),
+    }
     for label, kv in stores.items():
         key = f"bench-{size}"
         kv.init(key, value)
@@ -178,12 +223,12 @@ def size_cases(size: int, echo: Callable[[memoryview], None], stores: dict[str, 
 def run(sizes: list[int], runs: int, tmp: Path) -> dict[int, dict[str, float]]:
     processes = Processes()
     try:
-        _, echo = raw_echo(processes, tmp)
-        (kv1, store1), (kv2, store2) = kvstore_job(processes, 1), kvstore_job(processes, 2)
+        echo, raw_store = raw_round_trip(raw_peer(processes, tmp, "echo")[0]), raw_push_pull(raw_peer(processes, tmp, "store")[0])
+        (kv1, store1, _), (kv2, store2, _) = kvstore_job(processes, 1), kvstore_job(processes, 2)
         gloo_store = gloo_group(processes)
         results: dict[int, dict[str, float]] = {}
         for size in tqdm(sizes, desc="sizes", unit="size"):
-            seconds = measure(size_cases(size, echo, {"1s": kv1, "2s": kv2}), _count(size), runs)
+            seconds = measure(size_cases(size, echo, raw_store, {"1s": kv1, "2s": kv2}), _count(size), runs)
             results[size] = {name: size / value / 1e9 for name, value in seconds.items()}
         dist.broadcast(torch.tensor([0, 0]), src=0)  # tells the gloo helper to stop
         dist.destroy_process_group()
@@ -193,6 +238,78 @@ def run(sizes: list[int], runs: int, tmp: Path) -> dict[int, dict[str, float]]:
         return results
     finally:
         processes.stop()
+
+
+def thread_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of ``pid``'s interpreter threads, and of its libzmq IO threads (``ZMQbg/*``).
+
+    Linux only. ``schedstat`` counts nanoseconds (``stat`` counts 10 ms ticks: too coarse for one
+    round). A thread that ends between two readings takes its time with it.
+    """
+    python = zeromq = 0
+    tasks = Path(f"/proc/{pid}/task")
+    for thread in os.listdir(tasks):
+        try:
+            name = (tasks / thread / "comm").read_text()
+            nanoseconds = int((tasks / thread / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        if name.startswith("ZMQbg"):
+            zeromq += nanoseconds
+        else:
+            python += nanoseconds
+    return python / 1e9, zeromq / 1e9
+
+
+CPU_COLUMNS = ["wall us/op", "caller Python us/op", "caller ZeroMQ us/op", "peer Python us/op", "peer ZeroMQ us/op"]
+
+
+def cpu_profile(size: int, runs: int, tmp: Path) -> str:
+    """Per case, the medians of wall time and of each side's CPU per operation, as a markdown table."""
+    processes = Processes()
+    try:
+        echo_socket, echo_pid = raw_peer(processes, tmp, "echo")
+        store_socket, store_pid = raw_peer(processes, tmp, "store")
+        kv, store, (server_pid,) = kvstore_job(processes, 1)
+        echo, raw_store = raw_round_trip(echo_socket), raw_push_pull(store_socket)
+        numel = size // 4
+        payload, raw_out = (memoryview(torch.ones(numel).numpy()).cast("B") for _ in range(2))
+        value, out = torch.ones(numel), torch.empty(numel)
+        kv.init("cpu", value)
+
+        def kvstore_push_pull() -> None:
+            kv.push("cpu", value)
+            kv.pull("cpu", out).wait()
+
+        cases: dict[str, tuple[Callable[[], None], int]] = {
+            "raw zmq": (lambda: echo(payload), echo_pid),
+            "raw zmq push+pull": (lambda: raw_store(payload, raw_out), store_pid),
+            "kvstore 1s push+pull": (kvstore_push_pull, server_pid),
+        }
+        count = 3 * _count(size)  # rounds of ~0.5 s: thread switches, not the clock, set the noise
+        samples: dict[str, list[list[float]]] = {name: [] for name in cases}
+        for operation, _ in cases.values():
+            for _ in range(count):  # warm up
+                operation()
+        for _ in tqdm(range(runs), desc=f"cpu {_label(size)}", unit="round"):
+            for name, (operation, peer) in cases.items():
+                before = (time.perf_counter(), *thread_cpu_seconds(os.getpid()), *thread_cpu_seconds(peer))
+                for _ in range(count):
+                    operation()
+                after = (time.perf_counter(), *thread_cpu_seconds(os.getpid()), *thread_cpu_seconds(peer))
+                samples[name].append([(end - start) / count * 1e6 for start, end in zip(before, after)])
+        kv.close()
+        del store
+    finally:
+        processes.stop()
+    rows = []
+    for name, measured in samples.items():
+        medians = [statistics.median(column) for column in zip(*measured)]
+        rows.append([name, *[f"{median:.0f}" for median in medians], f"{sum(medians[1:]):.0f}"])
+    table = markdown_table(["case", *CPU_COLUMNS, "CPU us/op (sum)"], rows)
+    return (f"{_label(size)}, medians of {runs} interleaved rounds of {count} operations. Caller: this "
+            f"process (for the kvstore, the worker: its caller and IO threads); peer: the echo, the bare "
+            f"push/pull process or the server.\n\n{table}")  # fmt: skip
 
 
 def _count(size: int) -> int:
@@ -224,12 +341,13 @@ def report(results: dict[int, dict[str, float]], runs: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7, help="rounds per size (median; >= 5)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="tensor sizes in bytes")
+    parser.add_argument("--sizes", type=int, nargs="+", help="tensor sizes in bytes (default: 4 KB to 64 MB; 1 MB with --cpu)")
+    parser.add_argument("--cpu", action="store_true", help="where the time goes: CPU per operation of each side's threads")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         role, argument = args.child
-        echo_main(argument) if role == "echo" else gloo_main(int(argument))
+        {"echo": echo_main, "store": store_main}.get(role, lambda port: gloo_main(int(port)))(argument)
         return
     if args.runs < 5:
         parser.error("--runs must be >= 5 (medians)")
@@ -237,7 +355,12 @@ def main() -> None:
     print(f"command: {command_line()}")
     tmp = ROOT / "bench" / "out" / "kvstore-tmp"
     tmp.mkdir(parents=True, exist_ok=True)
-    results = run(args.sizes, args.runs, tmp)
+    if args.cpu:
+        text = "\n\n".join(cpu_profile(size, args.runs, tmp) for size in args.sizes or [MIB])
+        print(text)
+        print(f"wrote {write_report('kvstore_cpu', text)}")
+        return
+    results = run(args.sizes or DEFAULT_SIZES, args.runs, tmp)
     text = report(results, args.runs)
     print(text)
     path = write_report("kvstore", text)
