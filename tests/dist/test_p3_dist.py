@@ -92,7 +92,7 @@ def test_auto_tuning_with_a_server_side_optimizer_moves_values_and_state(optimiz
 
 
 def test_take_and_put_misused_give_clear_errors(tmp_path: Path) -> None:
-    _run("slot-errors", "dist_sync", 1, 1, tmp_path)
+    _run("slot-errors", "dist_sync", 2, 1, tmp_path)
 
 
 def test_auto_tuning_keeps_the_slicing_for_an_optimizer_needing_whole_tensors(tmp_path: Path) -> None:
@@ -249,12 +249,12 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
 
 
 def _slot_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """TAKE and PUT misused: each a clear error to the caller, and the server keeps serving."""
+    """TAKE and PUT misused: each a clear error to the caller, and the server keeps serving (2 workers)."""
     from tandem.kvstore.dist.protocol import Command, Header, Role, state_payloads
     from tandem.kvstore.errors import RemoteError
     from tandem.optim import SGD
 
-    kv.init("w", torch.arange(10.0))
+    kv.init(["w", "p"], [torch.arange(10.0), torch.zeros(10)])
 
     def request(command: Command, key: str, payloads: list, numel: int = 10) -> list:  # type: ignore[type-arg]
         header = Header(command, 0, Role.WORKER, rank, key=key, dtype=torch.float32, shape=(numel,), slice_stop=numel)
@@ -268,17 +268,29 @@ def _slot_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-u
         else:
             raise AssertionError(f"{args[:2]} was accepted; expected an error with {match!r}")
 
-    refused("already exists", Command.PUT, "w", state_payloads(torch.zeros(10), {}))
-    refused("no optimizer is set", Command.PUT, "fresh", state_payloads(torch.zeros(10), {"m": torch.zeros(10)}))
-    refused("not JSON", Command.PUT, "fresh", [memoryview(b"{"), *state_payloads(torch.zeros(10), {})[1:]])
-    refused("never initialised", Command.TAKE, "never", [])
-    refused("other slots of the key are (10,)", Command.PUT, "w", state_payloads(torch.zeros(4), {}), 4)
-    taken = request(Command.TAKE, "w", [])  # the slot leaves the server with its value...
-    assert torch.equal(torch.frombuffer(bytearray(taken[1]), dtype=torch.float32), torch.arange(10.0))
-    refused("never initialised", Command.PULL, "w", [])
-    request(Command.PUT, "w", state_payloads(torch.arange(10.0) * 2, {}))  # ...and comes back
+    if rank == 0:
+        refused("already exists", Command.PUT, "w", state_payloads(torch.zeros(10), {}))
+        refused("no optimizer is set", Command.PUT, "fresh", state_payloads(torch.zeros(10), {"m": torch.zeros(10)}))
+        refused("not JSON", Command.PUT, "fresh", [memoryview(b"{"), *state_payloads(torch.zeros(10), {})[1:]])
+        refused("never initialised", Command.TAKE, "never", [])
+        refused("other slots of the key are (10,)", Command.PUT, "w", state_payloads(torch.zeros(4), {}), 4)
+        taken = request(Command.TAKE, "w", [])  # the slot leaves the server with its value...
+        assert torch.equal(torch.frombuffer(bytearray(taken[1]), dtype=torch.float32), torch.arange(10.0))
+        refused("never initialised", Command.PULL, "w", [])
+        request(Command.PUT, "w", state_payloads(torch.arange(10.0) * 2, {}))  # ...and comes back
+    # a TAKE while another worker's push waits for its round is refused: the push would be lost
+    if rank == 0:
+        kv.push("p", torch.ones(10)).wait(timeout=30)
+    kv.barrier()
+    if rank == 1:
+        refused("still pending", Command.TAKE, "p", [])
+        kv.push("p", torch.ones(10)).wait(timeout=30)  # completes the round: nothing was lost
+    summed = torch.empty(10)
+    kv.pull("p", summed).wait(timeout=30)
+    assert torch.equal(summed, torch.full((10,), 2.0)), summed
     kv.set_optimizer(SGD(lr=1.0, momentum=0.5))
-    refused("expected a scalar or (10,)", Command.PUT, "fresh", state_payloads(torch.zeros(10), {"m": torch.zeros(3)}))
+    if rank == 0:
+        refused("expected a scalar or (10,)", Command.PUT, "fresh", state_payloads(torch.zeros(10), {"m": torch.zeros(3)}))
     out = torch.empty(10)
     kv.pull("w", out).wait(timeout=30)
     assert torch.equal(out, torch.arange(10.0) * 2), out
