@@ -286,7 +286,7 @@ def cpu_profile(size: int, runs: int, tmp: Path) -> str:
             "raw zmq push+pull": (lambda: raw_store(payload, raw_out), store_pid),
             "kvstore 1s push+pull": (kvstore_push_pull, server_pid),
         }
-        count = 3 * _count(size)  # rounds of ~0.5 s: thread switches, not the clock, set the noise
+        count = 3 * _count(size)  # 3x the throughput rounds (0.1-0.3 s at 1 MB): per-thread CPU is noisier than wall time
         samples: dict[str, list[list[float]]] = {name: [] for name in cases}
         for operation, _ in cases.values():
             for _ in range(count):  # warm up
