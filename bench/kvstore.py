@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import bar_plot, command_line, markdown_table, write_report  # noqa: E402
 from tandem.kvstore.dist.topology import DistOptions, Topology  # noqa: E402
+from tandem.kvstore.dist.transport import ZERO_COPY_BYTES  # noqa: E402
 from tandem.kvstore.dist.worker import DistKVStore  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
@@ -134,7 +135,7 @@ def raw_peer(processes: Processes, tmp: Path, role: str) -> tuple[zmq.Socket, in
 
 def raw_round_trip(socket: zmq.Socket) -> Callable[[memoryview], None]:
     def round_trip(payload: memoryview) -> None:
-        socket.send(payload, copy=payload.nbytes < 65536)
+        socket.send(payload, copy=payload.nbytes < ZERO_COPY_BYTES)
         socket.recv(copy=False)
 
     return round_trip
@@ -143,7 +144,7 @@ def raw_round_trip(socket: zmq.Socket) -> Callable[[memoryview], None]:
 def raw_push_pull(socket: zmq.Socket) -> Callable[[memoryview, memoryview], None]:
     def push_pull(payload: memoryview, out: memoryview) -> None:
         socket.send(b"push", zmq.SNDMORE)
-        socket.send(payload, copy=payload.nbytes < 65536)
+        socket.send(payload, copy=payload.nbytes < ZERO_COPY_BYTES)
         socket.send(b"pull")
         socket.recv()  # the push's acknowledgement
         socket.recv()  # the pull's tag; its value follows, received in place as a kvstore pull is
@@ -188,12 +189,26 @@ def measure(cases: dict[str, Callable[[int], None]], count: int, runs: int) -> d
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def byte_buffer(numel: int) -> memoryview:
+    """The bytes of a fresh float32 tensor of ``numel`` ones (what the raw cases send and receive into)."""
+    return memoryview(torch.ones(numel).numpy()).cast("B")
+
+
+def kvstore_push_pull(kv: DistKVStore, key: str, value: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """One kvstore operation as the benchmark counts it: push ``value``, then pull into ``out`` and wait."""
+
+    def push_pull() -> None:
+        kv.push(key, value)
+        kv.pull(key, out).wait()
+
+    return push_pull
+
+
 def size_cases(size: int, echo: Callable[[memoryview], None], raw_store: Callable[[memoryview, memoryview], None],
                stores: dict[str, DistKVStore]) -> dict[str, Callable[[int], None]]:  # fmt: skip
     numel = size // 4
-    payload = memoryview(torch.ones(numel).numpy()).cast("B")
+    payload, raw_out = byte_buffer(numel), byte_buffer(numel)
     value, out, data = torch.ones(numel), torch.empty(numel), torch.ones(numel)
-    raw_out = memoryview(torch.empty(numel).numpy()).cast("B")
 
     def repeat(operation: Callable[[], None]) -> Callable[[int], None]:
         def loop(count: int) -> None:
@@ -209,12 +224,7 @@ def size_cases(size: int, echo: Callable[[memoryview], None], raw_store: Callabl
     for label, kv in stores.items():
         key = f"bench-{size}"
         kv.init(key, value)
-
-        def push_pull(kv: DistKVStore = kv, key: str = key) -> None:
-            kv.push(key, value)
-            kv.pull(key, out).wait()
-
-        cases[f"kvstore {label} push+pull"] = repeat(push_pull)
+        cases[f"kvstore {label} push+pull"] = repeat(kvstore_push_pull(kv, key, value, out))
         cases[f"kvstore {label} pushpull"] = repeat(lambda kv=kv, key=key: kv.pushpull(key, value, out=out).wait())
     cases["gloo allreduce"] = lambda count: gloo_allreduce(data, count)
     return cases
@@ -273,18 +283,13 @@ def cpu_profile(size: int, runs: int, tmp: Path) -> str:
         kv, store, (server_pid,) = kvstore_job(processes, 1)
         echo, raw_store = raw_round_trip(echo_socket), raw_push_pull(store_socket)
         numel = size // 4
-        payload, raw_out = (memoryview(torch.ones(numel).numpy()).cast("B") for _ in range(2))
+        payload, raw_out = byte_buffer(numel), byte_buffer(numel)
         value, out = torch.ones(numel), torch.empty(numel)
         kv.init("cpu", value)
-
-        def kvstore_push_pull() -> None:
-            kv.push("cpu", value)
-            kv.pull("cpu", out).wait()
-
         cases: dict[str, tuple[Callable[[], None], int]] = {
             "raw zmq": (lambda: echo(payload), echo_pid),
             "raw zmq push+pull": (lambda: raw_store(payload, raw_out), store_pid),
-            "kvstore 1s push+pull": (kvstore_push_pull, server_pid),
+            "kvstore 1s push+pull": (kvstore_push_pull(kv, "cpu", value, out), server_pid),
         }
         count = 3 * _count(size)  # 3x the throughput rounds (0.1-0.3 s at 1 MB): per-thread CPU is noisier than wall time
         samples: dict[str, list[list[float]]] = {name: [] for name in cases}
