@@ -3,7 +3,7 @@
 ByteScheduler tunes one knob (its credit) with Bayesian optimisation, which needs many noisy
 samples to fit a model. Here the objective is cheap to read directly (the store sees every push,
 so the time between two pushes of the same key *is* the iteration time, compute overlap included)
-and both knobs are small ordered grids with a single broad optimum, so a coordinate search is
+and every knob is a small ordered grid with a single broad optimum, so a coordinate search is
 enough: measure the start point; walk the slice-size grid up while iteration time improves by more
 than ``tolerance`` (going on past one point that does not: scores are noisy), else down; then the
 same for the water mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations
