@@ -4,6 +4,10 @@ Cases, all measured in one run and interleaved round by round (median of --runs 
 - raw zmq: send N bytes to an echo process (DEALER -> ROUTER) and receive them back, zero-copy;
 - raw zmq push+pull: the least a push then a pull can do over ZeroMQ from Python: a tagged push
   the peer keeps and acknowledges, then a pull answered with it, received into ``out``;
+- minimal worker: a kvstore server process driven by the least a worker can do from Python: a
+  DEALER that says hello, then sends pre-encoded push and pull headers and receives the pull's
+  value into ``out`` on the calling thread (no IO thread, no handles, no per-request encoding).
+  It separates the server's cost from the worker's;
 - kvstore 1s / 2s: a ``dist_sync`` store with one worker (this process) and 1 or 2 server
   processes: ``push`` then ``pull`` of an N-byte float32 tensor (the result copied into ``out``);
   ``pushpull`` (one message each way) is shown too;
@@ -22,6 +26,7 @@ libzmq's IO threads and the interpreter's threads. Writes bench/out/kvstore_cpu.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -30,6 +35,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,8 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import bar_plot, command_line, markdown_table, write_report  # noqa: E402
-from tandem.kvstore.dist.topology import DistOptions, Topology  # noqa: E402
-from tandem.kvstore.dist.transport import ZERO_COPY_BYTES  # noqa: E402
+from tandem.kvstore.dist.protocol import Command, Header, Role, decode_header, encode_header, tensor_bytes  # noqa: E402
+from tandem.kvstore.dist.server import hello_info  # noqa: E402
+from tandem.kvstore.dist.topology import DistOptions, Topology, server_addresses  # noqa: E402
+from tandem.kvstore.dist.transport import ZERO_COPY_BYTES, payload_size  # noqa: E402
 from tandem.kvstore.dist.worker import DistKVStore  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
@@ -128,14 +136,14 @@ def raw_peer(processes: Processes, tmp: Path, role: str) -> tuple[zmq.Socket, in
         if time.monotonic() > deadline:
             raise TimeoutError(f"the {role} process did not start within 60 s")
         time.sleep(0.05)
-    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     socket.connect(f"tcp://127.0.0.1:{port_file.read_text()}")
     return socket, pid
 
 
 def raw_round_trip(socket: zmq.Socket) -> Callable[[memoryview], None]:
     def round_trip(payload: memoryview) -> None:
-        socket.send(payload, copy=payload.nbytes < ZERO_COPY_BYTES)
+        socket.send(payload, 0, payload.nbytes < ZERO_COPY_BYTES)
         socket.recv(copy=False)
 
     return round_trip
@@ -144,7 +152,7 @@ def raw_round_trip(socket: zmq.Socket) -> Callable[[memoryview], None]:
 def raw_push_pull(socket: zmq.Socket) -> Callable[[memoryview, memoryview], None]:
     def push_pull(payload: memoryview, out: memoryview) -> None:
         socket.send(b"push", zmq.SNDMORE)
-        socket.send(payload, copy=payload.nbytes < ZERO_COPY_BYTES)
+        socket.send(payload, 0, payload.nbytes < ZERO_COPY_BYTES)
         socket.send(b"pull")
         socket.recv()  # the push's acknowledgement
         socket.recv()  # the pull's tag; its value follows, received in place as a kvstore pull is
@@ -153,14 +161,68 @@ def raw_push_pull(socket: zmq.Socket) -> Callable[[memoryview, memoryview], None
     return push_pull
 
 
+def server_job(processes: Processes, servers: int, **env: str) -> tuple[Topology, dist.TCPStore, list[int]]:
+    """``servers`` server processes (pids) of a dist_sync job whose only worker is this process."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    child = _child_env(TANDEM_NUM_WORKERS="1", TANDEM_NUM_SERVERS=str(servers), TANDEM_MASTER_ADDR="127.0.0.1",
+                       TANDEM_MASTER_PORT=str(store.port), TANDEM_ROLE="server", **env)  # fmt: skip
+    pids = [processes.start(["-m", "tandem.kvstore.dist"], {**child, "TANDEM_RANK": str(rank)}) for rank in range(servers)]
+    return Topology("worker", 0, 1, servers, "127.0.0.1", store.port, servers + 1), store, pids
+
+
 def kvstore_job(processes: Processes, servers: int) -> tuple[DistKVStore, dist.TCPStore, list[int]]:
     """This process as the only worker of a dist_sync job with ``servers`` server processes (pids)."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    env = _child_env(TANDEM_NUM_WORKERS="1", TANDEM_NUM_SERVERS=str(servers), TANDEM_MASTER_ADDR="127.0.0.1",
-                     TANDEM_MASTER_PORT=str(store.port), TANDEM_ROLE="server")  # fmt: skip
-    pids = [processes.start(["-m", "tandem.kvstore.dist"], {**env, "TANDEM_RANK": str(rank)}) for rank in range(servers)]
-    topology = Topology("worker", 0, 1, servers, "127.0.0.1", store.port, servers + 1)
+    topology, store, pids = server_job(processes, servers)
     return DistKVStore(topology, DistOptions.from_env("dist_sync")), store, pids
+
+
+class MinimalWorker:
+    """The only worker of a one-server job, doing no more than the protocol needs (see the module doc).
+
+    It sends no heartbeats, so its server is started with a long ``TANDEM_PS_TIMEOUT``.
+    """
+
+    def __init__(self, processes: Processes) -> None:
+        topology, self._store, (self.server_pid,) = server_job(processes, 1, TANDEM_PS_TIMEOUT="3600")
+        options = DistOptions.from_env("dist_sync")
+        (address,) = server_addresses(self._store, 1, options.rendezvous_timeout)
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, b"worker-0")
+        self.socket.setsockopt(zmq.RCVTIMEO, 60_000)  # a bench must not hang on a dead server
+        self.socket.connect(address.endpoint)
+        self.request(Header(Command.HELLO, 1, Role.WORKER, 0), json.dumps(hello_info(topology, options)).encode())
+
+    def request(self, header: Header, payload: Any = None) -> None:
+        """Send one request and check its reply (control and init requests: not timed)."""
+        payloads = [] if payload is None else [payload]
+        self.socket.send_multipart([encode_header(header, b"", len(payloads), payload_size(payloads)), *payloads])
+        reply = decode_header(self.socket.recv_multipart()[0])
+        if reply.error:
+            raise RuntimeError(f"the server refused {header.describe()}")
+
+    def push_pull(self, key: str, value: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        """Init ``key``, then the timed operation: push ``value``, pull into ``out`` (headers encoded once)."""
+        numel = value.numel()
+
+        def header(command: Command) -> Header:
+            return Header(command, 1, Role.WORKER, 0, key=key, dtype=value.dtype, shape=(numel,), slice_start=0, slice_stop=numel)
+
+        self.request(header(Command.INIT), tensor_bytes(value))
+        push, pull = encode_header(header(Command.PUSH), b"", 1, numel * 4), encode_header(header(Command.PULL))
+        value_bytes, out_bytes, copy = tensor_bytes(value), tensor_bytes(out), numel * 4 < ZERO_COPY_BYTES
+
+        def push_pull() -> None:
+            self.socket.send(push, zmq.SNDMORE)
+            self.socket.send(value_bytes, 0, copy)
+            self.socket.send(pull)
+            self.socket.recv()  # the push's acknowledgement
+            self.socket.recv()  # the pull's header; its value follows, received in place
+            self.socket.recv_into(out_bytes)
+
+        return push_pull
+
+    def close(self) -> None:
+        self.request(Header(Command.BYE, 1, Role.WORKER, 0))
 
 
 def gloo_group(processes: Processes) -> dist.TCPStore:
@@ -205,7 +267,7 @@ def kvstore_push_pull(kv: DistKVStore, key: str, value: torch.Tensor, out: torch
 
 
 def size_cases(size: int, echo: Callable[[memoryview], None], raw_store: Callable[[memoryview, memoryview], None],
-               stores: dict[str, DistKVStore]) -> dict[str, Callable[[int], None]]:  # fmt: skip
+               minimal: MinimalWorker, stores: dict[str, DistKVStore]) -> dict[str, Callable[[int], None]]:  # fmt: skip
     numel = size // 4
     payload, raw_out = byte_buffer(numel), byte_buffer(numel)
     value, out, data = torch.ones(numel), torch.empty(numel), torch.ones(numel)
@@ -220,6 +282,7 @@ def size_cases(size: int, echo: Callable[[memoryview], None], raw_store: Callabl
     cases: dict[str, Callable[[int], None]] = {
         "raw zmq": repeat(lambda: echo(payload)),
         "raw zmq push+pull": repeat(lambda: raw_store(payload, raw_out)),
+        "minimal worker push+pull": repeat(minimal.push_pull(f"bench-{size}", value, out)),
     }
     for label, kv in stores.items():
         key = f"bench-{size}"
@@ -234,14 +297,17 @@ def run(sizes: list[int], runs: int, tmp: Path) -> dict[int, dict[str, float]]:
     processes = Processes()
     try:
         echo, raw_store = raw_round_trip(raw_peer(processes, tmp, "echo")[0]), raw_push_pull(raw_peer(processes, tmp, "store")[0])
+        minimal = MinimalWorker(processes)
         (kv1, store1, _), (kv2, store2, _) = kvstore_job(processes, 1), kvstore_job(processes, 2)
         gloo_store = gloo_group(processes)
         results: dict[int, dict[str, float]] = {}
         for size in tqdm(sizes, desc="sizes", unit="size"):
-            seconds = measure(size_cases(size, echo, raw_store, {"1s": kv1, "2s": kv2}), _count(size), runs)
+            cases = size_cases(size, echo, raw_store, minimal, {"1s": kv1, "2s": kv2})
+            seconds = measure(cases, _count(size), runs)
             results[size] = {name: size / value / 1e9 for name, value in seconds.items()}
         dist.broadcast(torch.tensor([0, 0]), src=0)  # tells the gloo helper to stop
         dist.destroy_process_group()
+        minimal.close()
         kv1.close()
         kv2.close()
         del store1, store2, gloo_store
@@ -280,6 +346,7 @@ def cpu_profile(size: int, runs: int, tmp: Path) -> str:
     try:
         echo_socket, echo_pid = raw_peer(processes, tmp, "echo")
         store_socket, store_pid = raw_peer(processes, tmp, "store")
+        minimal = MinimalWorker(processes)
         kv, store, (server_pid,) = kvstore_job(processes, 1)
         echo, raw_store = raw_round_trip(echo_socket), raw_push_pull(store_socket)
         numel = size // 4
@@ -289,6 +356,7 @@ def cpu_profile(size: int, runs: int, tmp: Path) -> str:
         cases: dict[str, tuple[Callable[[], None], int]] = {
             "raw zmq": (lambda: echo(payload), echo_pid),
             "raw zmq push+pull": (lambda: raw_store(payload, raw_out), store_pid),
+            "minimal worker push+pull": (minimal.push_pull("cpu", value, out), minimal.server_pid),
             "kvstore 1s push+pull": (kvstore_push_pull(kv, "cpu", value, out), server_pid),
         }
         count = 3 * _count(size)  # 3x the throughput rounds (0.1-0.3 s at 1 MB): per-thread CPU is noisier than wall time
@@ -303,6 +371,7 @@ def cpu_profile(size: int, runs: int, tmp: Path) -> str:
                     operation()
                 after = (time.perf_counter(), *thread_cpu_seconds(os.getpid()), *thread_cpu_seconds(peer))
                 samples[name].append([(end - start) / count * 1e6 for start, end in zip(before, after)])
+        minimal.close()
         kv.close()
         del store
     finally:
@@ -314,7 +383,7 @@ def cpu_profile(size: int, runs: int, tmp: Path) -> str:
     table = markdown_table(["case", *CPU_COLUMNS, "CPU us/op (sum)"], rows)
     return (f"{_label(size)}, medians of {runs} interleaved rounds of {count} operations. Caller: this "
             f"process (for the kvstore, the worker: its caller and IO threads); peer: the echo, the bare "
-            f"push/pull process or the server.\n\n{table}")  # fmt: skip
+            f"push/pull process or the server (of the minimal worker, or of the kvstore).\n\n{table}")  # fmt: skip
 
 
 def _count(size: int) -> int:
@@ -328,12 +397,12 @@ def _label(size: int) -> str:
 
 def report(results: dict[int, dict[str, float]], runs: int) -> str:
     names = list(next(iter(results.values())))
-    headers = ["size", *[f"{name} GB/s" for name in names], "push+pull 1s / raw", "push+pull 2s / raw", "pushpull 1s / raw"]
+    ratio_cases = {"push+pull 1s / raw": "kvstore 1s push+pull", "push+pull 2s / raw": "kvstore 2s push+pull",
+                   "pushpull 1s / raw": "kvstore 1s pushpull", "minimal worker / raw": "minimal worker push+pull"}  # fmt: skip
+    headers = ["size", *[f"{name} GB/s" for name in names], *ratio_cases]
     rows = []
     for size, throughput in results.items():
-        raw = throughput["raw zmq"]
-        ratios = [throughput["kvstore 1s push+pull"] / raw, throughput["kvstore 2s push+pull"] / raw,
-                  throughput["kvstore 1s pushpull"] / raw]  # fmt: skip
+        ratios = [throughput[case] / throughput["raw zmq"] for case in ratio_cases.values()]
         rows.append([_label(size), *[throughput[name] for name in names], *[f"{ratio:.0%}" for ratio in ratios]])
     table = markdown_table(headers, rows)
     micro = markdown_table(["size", *[f"{name} us" for name in names]],
