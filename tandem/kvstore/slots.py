@@ -198,8 +198,11 @@ class SlotTable:
             reader.wait(self.send_timeout)
         slot.readers.clear()
 
-    def save(self, path: str, name: str, meta: dict[str, Any]) -> str:
-        """Write every slot, its optimizer state and the optimizer config to ``path/name``."""
+    def save(self, path: str, name: str, meta: dict[str, Any], note: str = "") -> str:
+        """Write every slot, its optimizer state and the optimizer config to ``path/name``.
+
+        ``note`` is the saving client's own text, handed back by ``load`` (P3 records its slicing there).
+        """
         os.makedirs(path, exist_ok=True)
         entries = [
             {"key": key, "start": start, "stop": stop, "shape": list(slot.shape), "value": slot.value,
@@ -212,13 +215,17 @@ class SlotTable:
             "meta": meta,
             "optimizer": self.optimizer_json,
             "slots": entries,
+            "note": note,
         }
         torch.save(document, target + ".tmp")
         os.replace(target + ".tmp", target)  # never leave a half-written checkpoint behind
         return target
 
-    def load(self, path: str, name: str, meta: dict[str, Any]) -> None:
-        """Replace all slots and the optimizer with ``path/name``; ``meta`` must match what was saved."""
+    def load(self, path: str, name: str, meta: dict[str, Any]) -> str:
+        """Replace all slots and the optimizer with ``path/name``; ``meta`` must match what was saved.
+
+        Returns the note saved with it ("" for a checkpoint written without one).
+        """
         target = os.path.join(path, name)
         if not os.path.exists(target):
             raise KVStoreError(f"no kvstore checkpoint at {target}; save_server_state writes one per server")
@@ -236,3 +243,4 @@ class SlotTable:
             )
             for entry in document["slots"]
         }
+        return str(document.get("note", ""))

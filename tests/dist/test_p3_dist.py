@@ -221,13 +221,17 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
     checkpoint = Path(sys.argv[3]) / "checkpoint"
     for step in range(41):
         if step == 40 or (kv.tuner.result is not None and step >= 12):  # save and load, then one more step
-            if kv._live == kv.tuner.start.slice_size:  # the tuner kept 40k: leave it, to test the moves below
+            start = kv.tuner.start.slice_size
+            if kv._live == start:  # the tuner kept 40k: leave it, so that the save and load below differ from it
                 kv._move_slots(160_000)
-            kv.save_server_state(str(checkpoint))  # moves the slots to the start slicing and back
-            kv.load_server_state(str(checkpoint))  # the same state again, moved to the live slicing
+            saved_at = kv._live
+            kv.save_server_state(str(checkpoint))  # at the slicing in use: no slot moves
             saved_slots = [entry["key"] for path in checkpoint.glob("server-*.pt")
                            for entry in torch.load(path, weights_only=True)["slots"]]  # fmt: skip
-            assert saved_slots and all(slot.startswith("p3/40000/") for slot in saved_slots), saved_slots
+            assert saved_slots and all(slot.startswith(f"p3/{saved_at}/") for slot in saved_slots), saved_slots
+            kv._move_slots(start)  # the store now uses another slicing than the checkpoint's
+            kv.load_server_state(str(checkpoint))  # the checkpoint's slicing (its note), moved to the one in use
+            assert kv._live == start, (kv._live, saved_at)
         outs = {key: torch.empty(shape) for key, shape in shapes.items()}
         grads = [{key: torch.sin(torch.arange(float(torch.Size(shape).numel())) * (worker + 1) + step).reshape(shape)
                   for key, shape in shapes.items()} for worker in range(kv.num_workers)]  # fmt: skip

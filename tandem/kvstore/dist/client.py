@@ -166,7 +166,7 @@ class Client:
         self._last_heard[server] = time.monotonic()
         header = message.header
         if header.command is Command.ABORT:
-            raise PeerFailure(f"the job was stopped: {_text(message, 'no reason given')}")
+            raise PeerFailure(f"the job was stopped: {message_text(message, 'no reason given')}")
         if header.command is Command.RECEIVED:
             if self.on_received is not None:
                 self.on_received(server, header)
@@ -184,7 +184,7 @@ class Client:
             )
             return
         if header.error:
-            request.on_error(RemoteError(f"server {server}: {_text(message, 'unknown error')}"))
+            request.on_error(RemoteError(f"server {server}: {message_text(message, 'unknown error')}"))
             return
         self.landed += message.landed
         try:
@@ -294,5 +294,6 @@ class Client:
         self.transport.close()
 
 
-def _text(message: Message, default: str) -> str:
+def message_text(message: Message, default: str = "") -> str:
+    """A message's first payload as text (``default`` when it has none)."""
     return bytes(message.payloads[0]).decode("utf-8", "replace") if message.payloads else default

@@ -15,6 +15,7 @@ parameter server's: ``P3KVStore`` is a ``DistKVStore`` with another placement an
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import sys
 import zlib
@@ -34,7 +35,7 @@ from tandem.kvstore.dist.p3_tuner import DEFAULT_SLICE_SIZE, WATER_MARKS, AutoTu
 from tandem.kvstore.dist.placement import RoundRobinPlacement
 from tandem.kvstore.dist.protocol import Command, Key, Message, Role
 from tandem.kvstore.dist.server import CONTROL_COMMANDS, Server
-from tandem.kvstore.dist.topology import DistOptions, Topology, mean_over_workers, set_torch_threads
+from tandem.kvstore.dist.topology import DistOptions, Topology, from_rank_zero, mean_over_workers, set_torch_threads
 from tandem.kvstore.dist.transport import Incoming, ServerTransport
 from tandem.kvstore.dist.worker import DistKVStore, Item
 from tandem.kvstore.errors import KVStoreError
@@ -100,6 +101,7 @@ class P3KVStore(DistKVStore):
         self._live = start  # the slicing the servers' slots are cut by
         self._keys: dict[Key, tuple[tuple[int, ...], torch.dtype]] = {}  # shape and dtype, to move slots
         self._agreements = 0
+        self._loads = 0  # load_server_state calls: names each one's shared answer in the rendezvous store
         # unique per job incarnation (servers' ephemeral ports) and per store (workers create them in step)
         job = zlib.crc32(" ".join(address.endpoint for address in self.addresses).encode())
         self._agreement_prefix = f"p3/tuner/{job:08x}/{next(_STORES_CREATED)}"
@@ -159,21 +161,36 @@ class P3KVStore(DistKVStore):
         super().set_optimizer(optimizer)
 
     def save_server_state(self, path: str) -> None:
-        """As ``DistKVStore``'s; a tuned store saves its start slicing, the one a restored store begins with."""
-        live = self._live
-        if self.tuner is not None and live != self.tuner.start.slice_size:
-            self._move_slots(self.tuner.start.slice_size)
-        super().save_server_state(path)
-        if self._live != live:
-            self._move_slots(live)
+        """As ``DistKVStore``'s; a tuned store saves the slicing it uses, recorded in the checkpoint."""
+        if self.tuner is None:
+            return super().save_server_state(path)
+        self._settle()
+        self._broadcast(Command.SAVE, path, json.dumps({"p3_slice_size": self._live}))
 
     def load_server_state(self, path: str) -> None:
-        """As ``DistKVStore``'s; a tuned store then moves the saved start slicing to the one it uses now."""
-        super().load_server_state(path)
-        if self.tuner is not None:
-            live, self._live = self._live, self.tuner.start.slice_size  # what the checkpoint holds
-            if live != self._live:
-                self._move_slots(live)
+        """As ``DistKVStore``'s; a tuned store then moves the checkpoint's slicing to the one it uses now."""
+        if self.tuner is None:
+            return super().load_server_state(path)
+        self._settle()
+        notes = self._broadcast(Command.LOAD, path)  # on rank 0: every server's record of the slicing
+        self._loads += 1
+        saved = from_rank_zero(self.rendezvous, f"{self._agreement_prefix}/loaded/{self._loads}", self.rank,
+                               str(self._saved_slicing(notes, path)), knob("TANDEM_PS_WAIT_TIMEOUT"))  # fmt: skip
+        wanted, self._live = self._live, int(saved)
+        if wanted != self._live:
+            self._move_slots(wanted)
+
+    def _saved_slicing(self, notes: list[str], path: str) -> int:
+        """The slicing a checkpoint's slots are cut by, from the servers' notes (rank 0 has them)."""
+        if self.rank != 0:
+            return 0  # unused: rank 0's answer is shared
+        sizes = {json.loads(note).get("p3_slice_size") if note else None for note in notes}
+        if len(sizes) != 1:
+            raise KVStoreError(f"the servers' checkpoints in {path} were saved at different slicings {sizes}; "
+                               f"restore from one save_server_state")  # fmt: skip
+        size = sizes.pop()
+        assert self.tuner is not None
+        return self.tuner.start.slice_size if size is None else int(size)  # no note: saved at the start slicing
 
 
 def _slot_key(slice_size: int, key: Key) -> str:

@@ -57,8 +57,8 @@ class Command(IntEnum):
     PUSHPULL = 7
     SET_OPTIMIZER = 8
     BARRIER = 9
-    SAVE = 10
-    LOAD = 11
+    SAVE = 10  # payloads: the directory, optionally a note; answered with the file written
+    LOAD = 11  # payload: the directory; answered with the note saved with it ("" if none)
     ABORT = 12
     RECEIVED = 13  # server -> worker: the request arrived and waits for other workers (P3)
     TAKE = 14  # a slot's value and optimizer state, removed from the server (P3 moving to another slicing)

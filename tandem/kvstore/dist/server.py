@@ -383,13 +383,16 @@ class Server:
         return f"server-{self.rank}-of-{self.topology.num_servers}.pt"
 
     def _save(self, peer: bytes, message: Message) -> None:
-        target = self.table.save(_text_payload(message), self._checkpoint_name(), self._checkpoint_meta())
+        """Payloads: the directory, then optionally a note for whoever loads it (answered: the file written)."""
+        path, *note = _text_payloads(message, most=2)
+        target = self.table.save(path, self._checkpoint_name(), self._checkpoint_meta(), *note)
         self._reply(peer, message.header, [memoryview(target.encode())])
 
     def _load(self, peer: bytes, message: Message) -> None:
-        self.table.load(_text_payload(message), self._checkpoint_name(), self._checkpoint_meta())
+        """Payload: the directory (answered: the note saved with the checkpoint)."""
+        note = self.table.load(_text_payload(message), self._checkpoint_name(), self._checkpoint_meta())
         self.rounds.clear()  # a restore happens between steps: no round is half-merged
-        self._reply(peer, message.header)
+        self._reply(peer, message.header, [memoryview(note.encode())])
 
 
 def _sum(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -400,10 +403,16 @@ def _sum(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _text_payload(message: Message) -> str:
-    if len(message.payloads) != 1:
-        raise RemoteError(f"{message.header.describe()} needs exactly one payload frame")
+    return _text_payloads(message, most=1)[0]
+
+
+def _text_payloads(message: Message, most: int) -> list[str]:
+    """The message's 1 to ``most`` payload frames as UTF-8 text."""
+    if not 1 <= len(message.payloads) <= most:
+        expected = "exactly one payload frame" if most == 1 else f"1 to {most} payload frames"
+        raise RemoteError(f"{message.header.describe()} needs {expected}, got {len(message.payloads)}")
     try:
-        return bytes(message.payloads[0]).decode("utf-8")
+        return [bytes(payload).decode("utf-8") for payload in message.payloads]
     except UnicodeDecodeError:
         raise RemoteError(f"{message.header.describe()}: payload is not UTF-8 text") from None
 

@@ -161,6 +161,18 @@ def mean_over_workers(store: dist.TCPStore, name: str, rank: int, num_workers: i
     return statistics.fmean(float(store.get(key)) for key in keys)  # same values, same order: same result
 
 
+def from_rank_zero(store: dist.TCPStore, name: str, rank: int, text: str, timeout: float) -> str:
+    """Worker 0's ``text`` under ``name`` (each name once), on every worker; other ranks' ``text`` is ignored."""
+    key = f"{STORE_PREFIX}{name}"
+    if rank == 0:
+        store.set(key, text)
+    try:
+        store.wait([key], timedelta(seconds=timeout))
+    except Exception:
+        raise KVStoreTimeout(f"worker 0 did not publish {name} within {timeout:.0f} s") from None
+    return store.get(key).decode()
+
+
 def public_endpoint(bind_addr: str, port: int) -> str:
     """The address workers should dial: the bind address, or this host's address for a wildcard bind."""
     host = socket.gethostbyname(socket.gethostname()) if bind_addr in ("0.0.0.0", "*") else bind_addr

@@ -18,7 +18,7 @@ import torch
 
 from tandem.env import knob
 from tandem.kvstore.base import Handle, Key, KVStore, normalize, reduce_sum
-from tandem.kvstore.dist.client import Client
+from tandem.kvstore.dist.client import Client, message_text
 from tandem.kvstore.dist.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
 from tandem.kvstore.dist.server import hello_info
@@ -129,19 +129,22 @@ class DistKVStore(KVStore):
                  for key, value, targets in items]  # fmt: skip
         return self._send_tensors(Command.PUSHPULL, items, priority, "pushpull")
 
-    def _broadcast(self, command: Command, text: str, what: str) -> None:
-        """Rank 0 sends a control request to every server and waits; then all workers meet at a barrier."""
+    def _broadcast(self, command: Command, *texts: str) -> list[str]:
+        """Rank 0 sends a control request (``texts`` its payloads) to every server and waits; then all
+        workers meet at a barrier. Returns, on rank 0, each server's reply text ("" if none); elsewhere []."""
         self._check_usable()
+        replies = []
         if self.rank == 0:
+            payloads = [memoryview(text.encode()) for text in texts]
             for server in range(self.num_servers):
                 header = Header(command, 0, Role.WORKER, self.rank)
-                self._client.call(
-                    server, header, [memoryview(text.encode())], self.options.rendezvous_timeout
-                )
+                reply = self._client.call(server, header, payloads, self.options.rendezvous_timeout)
+                replies.append(message_text(reply))
         self.barrier()
+        return replies
 
     def set_optimizer(self, optimizer: Any) -> None:
-        self._broadcast(Command.SET_OPTIMIZER, optimizer_to_json(optimizer), "set_optimizer")
+        self._broadcast(Command.SET_OPTIMIZER, optimizer_to_json(optimizer))
 
     def barrier(self) -> None:
         self._check_usable()
@@ -163,11 +166,11 @@ class DistKVStore(KVStore):
 
     def save_server_state(self, path: str) -> None:
         self._settle()
-        self._broadcast(Command.SAVE, path, "save_server_state")
+        self._broadcast(Command.SAVE, path)
 
     def load_server_state(self, path: str) -> None:
         self._settle()
-        self._broadcast(Command.LOAD, path, "load_server_state")
+        self._broadcast(Command.LOAD, path)
 
     def close(self) -> None:
         self._close()
