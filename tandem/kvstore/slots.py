@@ -22,6 +22,12 @@ SlotId = tuple[Key, int, int]  # key, start, stop
 CHECKPOINT_FORMAT = 1
 
 
+def per_element(state: torch.Tensor, numel: int) -> bool:
+    """Whether an optimizer state tensor holds one entry per element of a ``numel``-element value
+    (momentum, Adam's moments: cut and joined with the value) rather than a scalar (Adam's step)."""
+    return state.dim() == 1 and state.numel() == numel
+
+
 class Waitable(Protocol):
     """A pending zero-copy send (a ``zmq.MessageTracker``)."""
 
@@ -113,8 +119,7 @@ class SlotTable:
         if self.optimizer is None and state:
             raise RemoteError(f"{where}: optimizer state {sorted(state)} sent, but no optimizer is set")
         for name, tensor in state.items():
-            per_element = tensor.dim() == 1 and tensor.numel() == value.numel() and tensor.dtype == value.dtype
-            if not (per_element or tensor.dim() == 0):
+            if not ((per_element(tensor, value.numel()) and tensor.dtype == value.dtype) or tensor.dim() == 0):
                 raise RemoteError(f"{where}: optimizer state {name!r} is {tuple(tensor.shape)} {tensor.dtype}; "
                                   f"expected a scalar or ({value.numel()},) {value.dtype}")  # fmt: skip
         self._check_scope(slot_id, shape, self.optimizer)

@@ -24,6 +24,7 @@ from tandem.kvstore.base import Handle
 from tandem.kvstore.dist.placement import Placement, Slice
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role, state_from_payloads, state_payloads
 from tandem.kvstore.errors import KVStoreError
+from tandem.kvstore.slots import per_element
 
 
 BATCH_ELEMENTS = 16 * 1024 * 1024  # per batch of keys in flight: 64 MB of float32 values, plus their state
@@ -97,7 +98,7 @@ def _taken(value: torch.Tensor, state: dict[str, torch.Tensor], names: list[tupl
     value[part.start : part.stop] = part_value
     names.append(tuple(sorted(part_state)))
     for name, tensor in part_state.items():
-        if _per_element(tensor, part.numel):
+        if per_element(tensor, part.numel):
             state.setdefault(name, tensor.new_zeros(value.numel()))[part.start : part.stop] = tensor
         else:
             state[name] = tensor.clone()
@@ -108,13 +109,9 @@ def _put(client: Any, rank: int, move: Move, value: torch.Tensor, state: dict[st
          parts: list[Slice]) -> Handle:  # fmt: skip
     handle = Handle(f"put {move.new_key}", len(parts))
     for part in parts:
-        piece = {name: tensor[part.start : part.stop] if _per_element(tensor, value.numel()) else tensor
+        piece = {name: tensor[part.start : part.stop] if per_element(tensor, value.numel()) else tensor
                  for name, tensor in state.items()}  # fmt: skip
         client.submit(part.server, _header(Command.PUT, rank, move.new_key, move, part),
                       state_payloads(value[part.start : part.stop], piece), lambda _: handle.part_done(),
                       handle.fail)  # fmt: skip
     return handle
-
-
-def _per_element(tensor: torch.Tensor, numel: int) -> bool:
-    return tensor.dim() == 1 and tensor.numel() == numel
