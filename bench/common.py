@@ -68,7 +68,7 @@ def bar_plot(name: str, title: str, labels: Sequence[str], series: dict[str, Seq
     import matplotlib.pyplot as plt
 
     OUT.mkdir(parents=True, exist_ok=True)
-    figure, axes = plt.subplots(figsize=(max(6, 1.2 * len(labels) * len(series) / 2), 4))
+    figure, axes = plt.subplots(figsize=(min(14, max(6, 1.2 * len(labels) * len(series) / 2)), 4))  # wider is unreadable
     width = 0.8 / max(len(series), 1)
     for i, (series_name, values) in enumerate(series.items()):
         axes.bar([x + i * width for x in range(len(labels))], values, width, label=series_name)

@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
-from bench.common import bar_plot, command_line, markdown_table, write_report  # noqa: E402
+from bench.common import bar_plot, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
 from tandem.kvstore.dist.protocol import Command, Header, Role, decode_header, encode_header, tensor_bytes  # noqa: E402
 from tandem.kvstore.dist.server import hello_info  # noqa: E402
 from tandem.kvstore.dist.topology import DistOptions, Topology, server_addresses  # noqa: E402
@@ -240,15 +241,8 @@ def gloo_allreduce(data: torch.Tensor, count: int) -> None:
 
 def measure(cases: dict[str, Callable[[int], None]], count: int, runs: int) -> dict[str, float]:
     """Median seconds per operation of each case; one batch of ``count`` operations per case per round."""
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for case in cases.values():
-        case(1)  # warm up: connections, first allocation
-    for _ in range(runs):
-        for name, case in cases.items():
-            start = time.perf_counter()
-            case(count)
-            samples[name].append((time.perf_counter() - start) / count)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    batches = {name: partial(case, count) for name, case in cases.items()}  # a case runs its batch itself (gloo announces it)
+    return {name: seconds / count for name, seconds in interleaved_medians(batches, repeats=runs, warmup=1).items()}
 
 
 def byte_buffer(numel: int) -> memoryview:
