@@ -174,23 +174,22 @@ class P3KVStore(DistKVStore):
         self._settle()
         notes = self._broadcast(Command.LOAD, path)  # on rank 0: every server's record of the slicing
         self._loads += 1
-        saved = from_rank_zero(self.rendezvous, f"{self._agreement_prefix}/loaded/{self._loads}", self.rank,
-                               str(self._saved_slicing(notes, path)), knob("TANDEM_PS_WAIT_TIMEOUT"))  # fmt: skip
+        found = str(_saved_slicing(notes, self.tuner.start.slice_size, path)) if self.rank == 0 else ""
+        saved = from_rank_zero(self.rendezvous, f"{self._agreement_prefix}/loaded/{self._loads}", self.rank, found,
+                               knob("TANDEM_PS_WAIT_TIMEOUT"))  # fmt: skip
         wanted, self._live = self._live, int(saved)
         if wanted != self._live:
             self._move_slots(wanted)
 
-    def _saved_slicing(self, notes: list[str], path: str) -> int:
-        """The slicing a checkpoint's slots are cut by, from the servers' notes (rank 0 has them)."""
-        if self.rank != 0:
-            return 0  # unused: rank 0's answer is shared
-        sizes = {json.loads(note).get("p3_slice_size") if note else None for note in notes}
-        if len(sizes) != 1:
-            raise KVStoreError(f"the servers' checkpoints in {path} were saved at different slicings {sizes}; "
-                               f"restore from one save_server_state")  # fmt: skip
-        size = sizes.pop()
-        assert self.tuner is not None
-        return self.tuner.start.slice_size if size is None else int(size)  # no note: saved at the start slicing
+
+def _saved_slicing(notes: list[str], start: int, path: str) -> int:
+    """The slicing a checkpoint's slots are cut by, from its servers' notes (none: the start slicing)."""
+    sizes = {json.loads(note).get("p3_slice_size") if note else None for note in notes}
+    if len(sizes) != 1:
+        raise KVStoreError(f"the servers' checkpoints in {path} were saved at different slicings {sizes}; "
+                           f"restore from one save_server_state")  # fmt: skip
+    size = sizes.pop()
+    return start if size is None else int(size)
 
 
 def _slot_key(slice_size: int, key: Key) -> str:
