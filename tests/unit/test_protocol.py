@@ -183,3 +183,15 @@ def test_slot_state_round_trips_and_bad_tables_are_rejected() -> None:
             state_from_payloads([memoryview(bytearray(raw)), *frames[1:]], torch.float32, 6)
     with pytest.raises(ProtocolError, match="does not hold"):
         state_from_payloads(frames, torch.float32, 7)
+
+
+@pytest.mark.parametrize("secret", [b"", b"s3cret"])
+def test_a_reused_header_is_packed_once_and_sent_with_each_request_id(secret: bytes) -> None:
+    header = _push()
+    first = decode_header(encode_header(header, secret, request_id=7), secret)
+    second = decode_header(encode_header(header, secret, request_id=8), secret)
+    assert (first.request_id, second.request_id) == (7, 8)
+    assert first == replace(header, request_id=7) and second == replace(header, request_id=8)
+    resized = decode_header(encode_header(header, secret, payload_count=2, payload_nbytes=9), secret)
+    assert (resized.payload_count, resized.payload_nbytes) == (2, 9)  # a different size is packed anew
+    assert decode_header(encode_header(header, secret), secret) == header  # and the first size still holds

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,7 +26,9 @@ from tandem.kvstore.dist.topology import DistOptions, Topology, connect_store, s
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
 from tandem.kvstore.slots import optimizer_to_json
 
+CACHE_LIMIT = 65536  # request headers and plans remembered (a job has a few per key)
 Item = tuple[Key, torch.Tensor, list[torch.Tensor]]  # key, value to send, tensors receiving the result
+T = TypeVar("T")
 
 
 class DistKVStore(KVStore):
@@ -39,6 +41,8 @@ class DistKVStore(KVStore):
         self.addresses = server_addresses(self.rendezvous, topology.num_servers, options.rendezvous_timeout)
         self._client = Client(self.addresses, topology.rank, options, hello_info(topology, options))
         self._initialised: set[Key] = set()
+        self._headers: dict[tuple[Any, ...], Header] = {}  # see _header
+        self._plans: dict[tuple[Any, ...], list[Slice]] = {}  # see _plan
         self._closed = False
         try:
             self._client.connect()
@@ -60,8 +64,15 @@ class DistKVStore(KVStore):
         return self.topology.num_servers
 
     def _header(self, command: Command, key: Key, tensor: torch.Tensor, part: Slice, priority: int) -> Header:
-        return Header(command, 0, Role.WORKER, self.rank, key=key, priority=priority, dtype=tensor.dtype,
-                      shape=tuple(tensor.shape), slice_start=part.start, slice_stop=part.stop)  # fmt: skip
+        """The request header, made once per request kind: its frame is packed once too (``encode_header``)."""
+        dtype, shape = tensor.dtype, tuple(tensor.shape)
+        return _remember(self._headers, (command, type(key), key, priority, dtype, shape, part.start, part.stop),
+                         lambda: Header(command, 0, Role.WORKER, self.rank, key=key, priority=priority, dtype=dtype,
+                                        shape=shape, slice_start=part.start, slice_stop=part.stop))  # fmt: skip
+
+    def _plan(self, key: Key, numel: int) -> list[Slice]:
+        """``placement.plan``, remembered: a plan depends only on the placement, the key and its size."""
+        return _remember(self._plans, (self.placement, type(key), key, numel), lambda: self.placement.plan(key, numel))
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -73,9 +84,7 @@ class DistKVStore(KVStore):
                       priority: int, what: str) -> Handle:  # fmt: skip
         """One request per slice of every (key, value to send, tensors receiving the result) item."""
         self._check_usable()
-        plans = [
-            (key, value, targets, self.placement.plan(key, value.numel())) for key, value, targets in items
-        ]
+        plans = [(key, value, targets, self._plan(key, value.numel())) for key, value, targets in items]
         finishers: list[Callable[[], None]] = []
 
         def finish_all() -> None:
@@ -195,6 +204,16 @@ class DistKVStore(KVStore):
         error = getattr(sys, "last_value", None)  # set when an uncaught exception ended the main thread
         reason = f"worker {self.rank} died of {type(error).__name__}: {error}" if error is not None else ""
         self._close(abort_reason=reason)
+
+
+def _remember(cache: dict[Any, T], key: Any, make: Callable[[], T]) -> T:
+    """``cache[key]``, made on first use; a full cache starts over. Races between threads only lose entries."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= CACHE_LIMIT:
+            cache.clear()
+        value = cache[key] = make()
+    return value
 
 
 def _receiver(
