@@ -43,6 +43,7 @@ class _Request:
     on_reply: Callable[[Message], None]
     on_error: Callable[[BaseException], None]
     landing: memoryview | None = None  # where the reply's payload may be received in place
+    payloads: Sequence[Any] = ()  # sent from their own memory: kept alive until the reply proves them sent
 
 
 class _Rendezvous:
@@ -75,6 +76,7 @@ class Client:
         self._pending: dict[int, _Request] = {}
         self._lock = threading.Lock()  # guards _pending and _failure
         self._ids = itertools.count(1)
+        self._unanswered: list[Sequence[Any]] = []  # payloads of requests failed unanswered: alive until close
         self._failure: PeerFailure | None = None
         self._last_heard = [time.monotonic()] * len(addresses)
         self._hello_payload = [memoryview(json.dumps(hello).encode())]
@@ -117,7 +119,7 @@ class Client:
         received there in place when the size matches, and then sees ``message.landed``. Blocks
         only if the server stops reading (then raises after ``timeout`` seconds).
         """
-        request_id = self._register(_Request(server, on_reply, on_error, getattr(on_reply, "landing", None)))
+        request_id = self._register(_Request(server, on_reply, on_error, getattr(on_reply, "landing", None), payloads))
         if header.sender_rank != self.rank or header.sender_role is not Role.WORKER:
             header = replace(header, sender_role=Role.WORKER, sender_rank=self.rank)
         try:
@@ -245,6 +247,7 @@ class Client:
                 return
             self._failure = failure
             pending, self._pending = self._pending, {}
+            self._unanswered.extend(request.payloads for request in pending.values())  # maybe still queued to send
         log.error("worker %d: %s", self.rank, failure)
         for request in pending.values():
             request.on_error(failure)
@@ -292,6 +295,7 @@ class Client:
         self.transport.wake()
         self._thread.join(timeout=timeout)
         self.transport.close()
+        self._unanswered.clear()  # ZeroMQ has dropped what it still held: the memory may go now
 
 
 def message_text(message: Message, default: str = "") -> str:

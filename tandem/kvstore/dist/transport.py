@@ -17,14 +17,17 @@ the notice of a reply that arrived meanwhile, so a sender that finds the socket 
 trying wakes the IO thread itself. Sends never block under the lock (``NOBLOCK``, retried until
 the send timeout; the IO thread's heartbeats are not retried).
 
-Tensor payloads of at least ``ZERO_COPY_BYTES`` go out with ``copy=False`` (ZeroMQ reads the
-tensor's memory directly); a pull's reply is received straight into the output tensor
-(``recv_into``). Every received message is decoded and validated here, so callers only ever see
+Tensor payloads of at least ``ZERO_COPY_BYTES`` go out without a copy (ZeroMQ reads the tensor's
+memory directly); a pull's reply is received straight into the output tensor (``recv_into``). A
+worker sends them with libzmq's ``zmq_send_const`` (memory the caller keeps alive and unchanged
+until the request's reply arrives, which proves every byte left): pyzmq's zero-copy send instead
+wakes its garbage-collector thread, a Python thread wanting the GIL, once per message. Every received message is decoded and validated here, so callers only ever see
 well-formed ``Message`` objects or a ``ProtocolError``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import zmq
+from zmq.backend.cython import _zmq as pyzmq_backend
 
 from tandem.kvstore.dist.protocol import Header, Message, attach, decode, decode_header, encode_header, encode_reply
 from tandem.kvstore.errors import ProtocolError
@@ -49,6 +53,20 @@ class Incoming:
     peer: Any  # on a server: the sender's routing id; on a worker: the server's index
     message: Message | None
     error: ProtocolError | None = None
+
+
+def _libzmq_send_const() -> Any:
+    """libzmq's ``zmq_send_const`` as linked into pyzmq (None where pyzmq does not export it)."""
+    try:  # dlsym on pyzmq's extension searches the libzmq it links, the same library its sockets live in
+        function = ctypes.CDLL(pyzmq_backend.__file__, use_errno=True).zmq_send_const
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+_SEND_CONST = _libzmq_send_const()
 
 
 class _Endpoint:
@@ -156,6 +174,9 @@ class WorkerTransport(_Endpoint):
         """Send to ``server``. Thread safe; raises ``zmq.Again`` when it accepted nothing for the send
         timeout (at once with ``wait=False``: the IO thread must not stop draining replies).
 
+        Big payloads are sent from their own memory: the caller keeps them alive and unchanged until
+        the reply arrives, or until ``close`` if none ever does (see the module doc).
+
         ``request_id`` overrides the header's (so callers need not rebuild the frozen header).
         """
         head = self._head(header, payloads, request_id)
@@ -169,7 +190,7 @@ class WorkerTransport(_Endpoint):
                 except zmq.Again:
                     sent = False
                 else:  # the first frame went: the rest of a multipart message always follows
-                    _send_payloads(socket, payloads, track=False)
+                    _send_payloads(socket, payloads, track=False, const=True)
                 readable = _readable(socket)  # a reply whose notice this attempt consumed?
             if readable:
                 self.wake()
@@ -228,12 +249,14 @@ class WorkerTransport(_Endpoint):
         return Incoming(server, Message(header, [target], landed=True))
 
 
-def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], track: bool) -> zmq.MessageTracker | None:
+def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], track: bool,
+                   const: bool = False) -> zmq.MessageTracker | None:  # fmt: skip
     """The payload frames of a message whose header frame went out with ``SNDMORE``.
 
     A payload that is a received ``zmq.Frame`` is sent on as it is: ZeroMQ shares the buffer (no
     copy, and none of pyzmq's per-message garbage-collector thread wake-ups that a zero-copy send
-    of Python memory costs).
+    of Python memory costs). With ``const``, big writable payloads go out through
+    ``zmq_send_const``: no copy and no wake-up either, the caller owning the memory's lifetime.
     """
     tracker = None
     last = len(payloads) - 1
@@ -243,10 +266,19 @@ def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], track: bool) -> 
             socket.send(payload, flags, copy=False)
         elif _nbytes(payload) < ZERO_COPY_BYTES:
             socket.send(payload, flags)
+        elif const and _SEND_CONST is not None and type(payload) is memoryview and not payload.readonly:
+            _send_const(socket, payload, flags)
         else:
             result = socket.send(payload, flags, copy=False, track=track)
             tracker = result if track else tracker
     return tracker
+
+
+def _send_const(socket: zmq.Socket, payload: memoryview, flags: int) -> None:
+    """One frame of a multipart message already begun (so ZeroMQ accepts it at once: NOBLOCK is safe)."""
+    address = ctypes.addressof(ctypes.c_char.from_buffer(payload))
+    if _SEND_CONST(socket.underlying, address, payload.nbytes, flags | zmq.NOBLOCK) < 0:
+        raise zmq.ZMQError(ctypes.get_errno())
 
 
 def _readable(socket: zmq.Socket) -> bool:

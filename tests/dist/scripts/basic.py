@@ -33,6 +33,16 @@ pair = [torch.empty(3, 4), torch.empty(4, 3).t()]
 kv.pull(7, pair).wait()
 assert all(torch.equal(out, torch.full((3, 4), 2.0 * workers)) for out in pair), pair
 
+# pushes of temporaries, several in flight: the store keeps what it sends (from the tensor's own
+# memory) alive until the server has it, though the caller dropped it at once
+kv.init("temporary", torch.zeros(1 << 20))
+outs_in_flight = [torch.empty(1 << 20) for _ in range(3)]
+handles = [kv.pushpull("temporary", torch.full((1 << 20,), (rank + 1.0) * (round + 1)), out=out)
+           for round, out in enumerate(outs_in_flight)]  # fmt: skip
+for round, (handle, out) in enumerate(zip(handles, outs_in_flight)):
+    handle.wait()
+    assert torch.equal(out, torch.full((1 << 20,), total * (round + 1))), (round, out)
+
 # errors come back to the caller and the servers keep serving
 for bad, match in [
     (lambda: kv.push("odd", torch.zeros(3)).wait(), "got shape"),
