@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -28,22 +28,12 @@ def per_element(state: torch.Tensor, numel: int) -> bool:
     return state.dim() == 1 and state.numel() == numel
 
 
-class Waitable(Protocol):
-    """A pending zero-copy send (a ``zmq.MessageTracker``)."""
-
-    @property
-    def done(self) -> bool: ...
-
-    def wait(self, timeout: float | None = None) -> Any: ...
-
-
 @dataclass
 class Slot:
     shape: tuple[int, ...]  # shape of the whole key, for validating pushes and pulls
     value: torch.Tensor  # flat: elements [start, stop) of the key
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     owned: bool = True  # False while ``value`` views a received network buffer
-    readers: list[Waitable] = field(default_factory=list)  # zero-copy sends still reading ``value``
     frame: Any = None  # the received zmq.Frame whose bytes ``value`` views: sent on as is, no copy
 
 
@@ -91,11 +81,10 @@ class SlotTable:
     Thread safety: none; one thread (the server loop, or the local store's caller) owns a table.
     """
 
-    def __init__(self, send_timeout: float = 60.0) -> None:
+    def __init__(self) -> None:
         self.slots: dict[SlotId, Slot] = {}
         self.optimizer: Any = None
         self.optimizer_json = ""
-        self.send_timeout = send_timeout
 
     def init(self, slot_id: SlotId, shape: tuple[int, ...], value: torch.Tensor) -> None:
         if slot_id in self.slots:
@@ -163,7 +152,7 @@ class SlotTable:
         self.optimizer = optimizer
         self.optimizer_json = optimizer_to_json(optimizer)
         for slot in self.slots.values():
-            slot.value, slot.owned, slot.readers, slot.frame = slot.value.clone(), True, [], None
+            slot.value, slot.owned, slot.frame = slot.value.clone(), True, None
             slot.state = self._new_state(slot.value)
 
     @staticmethod
@@ -186,22 +175,15 @@ class SlotTable:
 
         Without an optimizer the slot just rebinds to ``merged`` (no copy; ``frame``, when given, is
         the received frame ``merged`` views, so pulls can send that frame on); network sends still
-        reading the old value keep it alive. With one, the update is in place, so it first waits
-        for those sends to finish.
+        reading the old value keep it alive. With one, the update is in place: pulls are then
+        answered with a copy (the server's ``_send_value``), so no send ever reads a value changing.
         """
         if self.optimizer is None:
             slot.value, slot.owned, slot.frame = merged, merged_owned, frame
-            slot.readers.clear()
             return
-        self._wait_readers(slot)
         if not slot.owned:
             slot.value, slot.owned, slot.frame = slot.value.clone(), True, None
         self.optimizer.update([slot.value], [merged], [slot.state])
-
-    def _wait_readers(self, slot: Slot) -> None:
-        for reader in slot.readers:
-            reader.wait(self.send_timeout)
-        slot.readers.clear()
 
     def save(self, path: str, name: str, meta: dict[str, Any], note: str = "") -> str:
         """Write every slot, its optimizer state and the optimizer config to ``path/name``.

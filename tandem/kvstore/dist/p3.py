@@ -218,12 +218,11 @@ class PriorityReceive:
                 first.append(item)
         return first + [queue.pop() for _ in range(len(queue))]
 
-    def send(self, peer: bytes, header: Any, payloads: Any = (), track: bool = False) -> Any:
-        return self.inner.send(peer, header, payloads, track)
+    def send(self, peer: bytes, header: Any, payloads: Any = ()) -> None:
+        self.inner.send(peer, header, payloads)
 
-    def reply(self, peer: bytes, request: Any, rank: int, payloads: Any = (), track: bool = False,
-              error: bool = False) -> Any:  # fmt: skip
-        return self.inner.reply(peer, request, rank, payloads, track, error)
+    def reply(self, peer: bytes, request: Any, rank: int, payloads: Any = (), error: bool = False) -> None:
+        self.inner.reply(peer, request, rank, payloads, error)
 
     def close(self) -> None:
         self.inner.close()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import zmq
 
 from tandem.kvstore.dist.protocol import (
     Command,
@@ -80,7 +81,7 @@ class Server:
     def __init__(self, topology: Topology, options: DistOptions) -> None:
         self.topology, self.options = topology, options
         self.rank = topology.rank
-        self.table = SlotTable(send_timeout=options.timeout)
+        self.table = SlotTable()
         self.transport = ServerTransport(options.secret_bytes, options.bind_addr)
         self.address = ServerAddress(public_endpoint(options.bind_addr, self.transport.port))
         self.workers: dict[int, _WorkerState] = {}
@@ -181,11 +182,8 @@ class Server:
         self.rejected += 1
         log.warning("server %d rejected a message from peer %s: %s", self.rank, incoming.peer.hex()[:16], reason)
 
-    def _reply(self, peer: bytes, request: Header, payloads: list[Any] | None = None,
-               slot: Slot | None = None) -> None:  # fmt: skip
-        tracker = self.transport.reply(peer, request, self.rank, payloads or (), track=slot is not None)
-        if slot is not None and tracker is not None:
-            slot.readers = [reader for reader in slot.readers if not reader.done] + [tracker]
+    def _reply(self, peer: bytes, request: Header, payloads: list[Any] | None = None) -> None:
+        self.transport.reply(peer, request, self.rank, payloads or ())
 
     def _reply_error(self, peer: bytes, request: Header, text: str) -> None:
         self.transport.reply(peer, request, self.rank, [memoryview(text.encode("utf-8"))], error=True)
@@ -347,10 +345,14 @@ class Server:
         if request.command is Command.TAKE:
             self._send_taken(self._slot_id(request), peer, request)
             return
-        # only in-place updates (an optimizer) must wait for zero-copy sends; tracking them costs time
-        tracked = slot if self.table.optimizer is not None else None
+        if self.table.optimizer is not None:
+            # updated in place by the next round: send a copy. Sending the tensor itself meant tracking
+            # the send (a wake-up of pyzmq's collector thread per reply) and the update waiting for it;
+            # the copy measured faster in P3 jobs (docs/p3.md)
+            self._reply(peer, request, [zmq.Frame(tensor_bytes(slot.value))])
+            return
         value = slot.frame if slot.frame is not None else tensor_bytes(slot.value)  # a frame is sent on, uncopied
-        self._reply(peer, request, [value], slot=tracked)
+        self._reply(peer, request, [value])
 
     def _send_taken(self, slot_id: SlotId, peer: bytes, request: Header) -> None:
         rounds = self.rounds.get(slot_id)

@@ -97,20 +97,20 @@ class ServerTransport(_Endpoint):
         self.socket.setsockopt(zmq.LINGER, 500)
         self.port = self.socket.bind_to_random_port(f"tcp://{bind_addr}")
 
-    def send(self, peer: bytes, header: Header, payloads: Sequence[Any] = (), track: bool = False) -> Any:
-        """Send to the worker whose routing id is ``peer``; returns a tracker for big tracked payloads."""
-        return self._send(peer, self._head(header, payloads), payloads, track)
+    def send(self, peer: bytes, header: Header, payloads: Sequence[Any] = ()) -> None:
+        """Send to the worker whose routing id is ``peer``. Big payloads are read after this returns:
+        send only memory that nobody changes (a received frame, a tensor rebound rather than updated)."""
+        self._send(peer, self._head(header, payloads), payloads)
 
-    def reply(self, peer: bytes, request: Header, rank: int, payloads: Sequence[Any] = (), track: bool = False,
-              error: bool = False) -> Any:  # fmt: skip
-        """Answer ``request`` (``send`` of its response header, built in one step); same return."""
+    def reply(self, peer: bytes, request: Header, rank: int, payloads: Sequence[Any] = (), error: bool = False) -> None:
+        """Answer ``request`` (``send`` of its response header, built in one step)."""
         head = encode_reply(request, rank, self.secret, len(payloads), payload_size(payloads), error)
-        return self._send(peer, head, payloads, track)
+        self._send(peer, head, payloads)
 
-    def _send(self, peer: bytes, head: bytes, payloads: Sequence[Any], track: bool) -> zmq.MessageTracker | None:
+    def _send(self, peer: bytes, head: bytes, payloads: Sequence[Any]) -> None:
         self.socket.send(peer, SNDMORE)
         self.socket.send(head, SNDMORE if payloads else 0)
-        return _send_payloads(self.socket, payloads, track)
+        _send_payloads(self.socket, payloads)
 
     def poll(self, timeout: float) -> list[Incoming]:
         """Messages arriving within ``timeout`` seconds, in arrival order; ``peer`` is the sender's routing id."""
@@ -190,7 +190,7 @@ class WorkerTransport(_Endpoint):
                 except zmq.Again:
                     sent = False
                 else:  # the first frame went: the rest of a multipart message always follows
-                    _send_payloads(socket, payloads, track=False, const=True)
+                    _send_payloads(socket, payloads, const=True)
                 readable = _readable(socket)  # a reply whose notice this attempt consumed?
             if readable:
                 self.wake()
@@ -249,8 +249,7 @@ class WorkerTransport(_Endpoint):
         return Incoming(server, Message(header, [target], landed=True))
 
 
-def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], track: bool,
-                   const: bool = False) -> zmq.MessageTracker | None:  # fmt: skip
+def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], const: bool = False) -> None:
     """The payload frames of a message whose header frame went out with ``SNDMORE``.
 
     A payload that is a received ``zmq.Frame`` is sent on as it is: ZeroMQ shares the buffer (no
@@ -258,7 +257,6 @@ def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], track: bool,
     of Python memory costs). With ``const``, big writable payloads go out through
     ``zmq_send_const``: no copy and no wake-up either, the caller owning the memory's lifetime.
     """
-    tracker = None
     last = len(payloads) - 1
     for index, payload in enumerate(payloads):
         flags = 0 if index == last else SNDMORE
@@ -268,10 +266,8 @@ def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], track: bool,
             socket.send(payload, flags)
         elif const and _SEND_CONST is not None and type(payload) is memoryview and not payload.readonly:
             _send_const(socket, payload, flags)
-        else:
-            result = socket.send(payload, flags, copy=False, track=track)
-            tracker = result if track else tracker
-    return tracker
+        else:  # pyzmq keeps the payload alive until ZeroMQ is done with it
+            socket.send(payload, flags, copy=False)
 
 
 def _send_const(socket: zmq.Socket, payload: memoryview, flags: int) -> None:
