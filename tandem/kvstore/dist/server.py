@@ -348,7 +348,7 @@ class Server:
         if self.table.optimizer is not None:
             # updated in place by the next round: send a copy. Sending the tensor itself meant tracking
             # the send (a wake-up of pyzmq's collector thread per reply) and the update waiting for it;
-            # the copy measured faster in P3 jobs (docs/p3.md)
+            # the copy is simpler and measured no slower (docs/distributed.md)
             self._reply(peer, request, [zmq.Frame(tensor_bytes(slot.value))])
             return
         value = slot.frame if slot.frame is not None else tensor_bytes(slot.value)  # a frame is sent on, uncopied
