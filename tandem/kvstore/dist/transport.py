@@ -21,8 +21,9 @@ Tensor payloads of at least ``ZERO_COPY_BYTES`` go out without a copy (ZeroMQ re
 memory directly); a pull's reply is received straight into the output tensor (``recv_into``). A
 worker sends them with libzmq's ``zmq_send_const`` (memory the caller keeps alive and unchanged
 until the request's reply arrives, which proves every byte left): pyzmq's zero-copy send instead
-wakes its garbage-collector thread, a Python thread wanting the GIL, once per message. Every received message is decoded and validated here, so callers only ever see
-well-formed ``Message`` objects or a ``ProtocolError``.
+wakes its garbage-collector thread, a Python thread wanting the GIL, once per message. Every
+received message is decoded and validated here, so callers only ever see well-formed ``Message``
+objects or a ``ProtocolError``.
 """
 
 from __future__ import annotations
