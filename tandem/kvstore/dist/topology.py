@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -153,12 +154,9 @@ def mean_over_workers(store: dist.TCPStore, name: str, rank: int, num_workers: i
     """The mean of every worker's ``value`` under ``name`` (each name once); every worker gets the same float."""
     keys = [f"{STORE_PREFIX}{name}/{worker}" for worker in range(num_workers)]
     store.set(keys[rank], repr(value))
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except Exception:
-        missing = [worker for worker, key in enumerate(keys) if not store.check([key])]
-        raise KVStoreTimeout(f"worker(s) {missing} did not report {name} within {timeout:.0f} s") from None
-    return statistics.fmean(float(store.get(key)) for key in keys)  # same values, same order: same result
+    values = _wait_for(store, keys, timeout,
+                       lambda missing: f"worker(s) {missing} did not report {name} within {timeout:.0f} s")  # fmt: skip
+    return statistics.fmean(float(value) for value in values)  # same values, same order: same result
 
 
 def from_rank_zero(store: dist.TCPStore, name: str, rank: int, text: str, timeout: float) -> str:
@@ -166,11 +164,18 @@ def from_rank_zero(store: dist.TCPStore, name: str, rank: int, text: str, timeou
     key = f"{STORE_PREFIX}{name}"
     if rank == 0:
         store.set(key, text)
+    (value,) = _wait_for(store, [key], timeout, lambda _: f"worker 0 did not publish {name} within {timeout:.0f} s")
+    return value.decode()
+
+
+def _wait_for(store: dist.TCPStore, keys: list[str], timeout: float, problem: Callable[[list[int]], str]) -> list[bytes]:
+    """The values of ``keys`` once all are set; after ``timeout`` seconds a ``KVStoreTimeout`` saying
+    ``problem(indices of the keys still missing)``."""
     try:
-        store.wait([key], timedelta(seconds=timeout))
-    except Exception:
-        raise KVStoreTimeout(f"worker 0 did not publish {name} within {timeout:.0f} s") from None
-    return store.get(key).decode()
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:  # torch raises its own timeout types here
+        raise KVStoreTimeout(problem([index for index, key in enumerate(keys) if not store.check([key])])) from None
+    return [store.get(key) for key in keys]
 
 
 def public_endpoint(bind_addr: str, port: int) -> str:
@@ -196,12 +201,7 @@ def publish_server(store: dist.TCPStore, rank: int, address: ServerAddress) -> N
 def server_addresses(store: dist.TCPStore, num_servers: int, timeout: float) -> list[ServerAddress]:
     """Every server's endpoints, waiting up to ``timeout`` seconds for servers to publish them."""
     keys = [f"{STORE_PREFIX}server/{rank}" for rank in range(num_servers)]
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except Exception:
-        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-        raise KVStoreTimeout(
-            f"server(s) {missing} did not publish an endpoint within {timeout:.0f} s; did they start (`tandem launch "
-            f"-s {num_servers}` or TANDEM_NUM_SERVERS under torchrun)?"
-        ) from None
-    return [ServerAddress(store.get(key).decode()) for key in keys]
+    endpoints = _wait_for(store, keys, timeout, lambda missing: (
+        f"server(s) {missing} did not publish an endpoint within {timeout:.0f} s; did they start (`tandem launch "
+        f"-s {num_servers}` or TANDEM_NUM_SERVERS under torchrun)?"))  # fmt: skip
+    return [ServerAddress(endpoint.decode()) for endpoint in endpoints]
