@@ -164,15 +164,13 @@ class P3KVStore(DistKVStore):
         """As ``DistKVStore``'s; a tuned store saves the slicing it uses, recorded in the checkpoint."""
         if self.tuner is None:
             return super().save_server_state(path)
-        self._settle()
-        self._broadcast(Command.SAVE, path, json.dumps({"p3_slice_size": self._live}))
+        self._checkpoint(Command.SAVE, path, json.dumps({"p3_slice_size": self._live}))
 
     def load_server_state(self, path: str) -> None:
         """As ``DistKVStore``'s; a tuned store then moves the checkpoint's slicing to the one it uses now."""
         if self.tuner is None:
             return super().load_server_state(path)
-        self._settle()
-        notes = self._broadcast(Command.LOAD, path)  # on rank 0: every server's record of the slicing
+        notes = self._checkpoint(Command.LOAD, path)  # on rank 0: every server's record of the slicing
         self._loads += 1
         found = str(_saved_slicing(notes, self.tuner.start.slice_size, path)) if self.rank == 0 else ""
         saved = from_rank_zero(self.rendezvous, f"{self._agreement_prefix}/loaded/{self._loads}", self.rank, found,

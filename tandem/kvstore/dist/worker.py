@@ -174,12 +174,15 @@ class DistKVStore(KVStore):
         self.barrier()
 
     def save_server_state(self, path: str) -> None:
-        self._settle()
-        self._broadcast(Command.SAVE, path)
+        self._checkpoint(Command.SAVE, path)
 
     def load_server_state(self, path: str) -> None:
+        self._checkpoint(Command.LOAD, path)
+
+    def _checkpoint(self, command: Command, *texts: str) -> list[str]:
+        """SAVE or LOAD between steps: once every request is answered, ``_broadcast`` it (same return)."""
         self._settle()
-        self._broadcast(Command.LOAD, path)
+        return self._broadcast(command, *texts)
 
     def close(self) -> None:
         self._close()
