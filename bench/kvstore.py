@@ -150,13 +150,15 @@ def raw_round_trip(socket: zmq.Socket) -> Callable[[memoryview], None]:
     return round_trip
 
 
-def raw_push_pull(socket: zmq.Socket) -> Callable[[memoryview, memoryview], None]:
+def raw_push_pull(socket: zmq.Socket, push: bytes = b"push", pull: bytes = b"pull") -> Callable[[memoryview, memoryview], None]:
+    """A push (first frame ``push``, then the payload) and a pull (``pull``); the pull's value lands in ``out``."""
+
     def push_pull(payload: memoryview, out: memoryview) -> None:
-        socket.send(b"push", zmq.SNDMORE)
+        socket.send(push, zmq.SNDMORE)
         socket.send(payload, 0, payload.nbytes < ZERO_COPY_BYTES)
-        socket.send(b"pull")
+        socket.send(pull)
         socket.recv()  # the push's acknowledgement
-        socket.recv()  # the pull's tag; its value follows, received in place as a kvstore pull is
+        socket.recv()  # the pull's first frame; its value follows, received in place as a kvstore pull is
         socket.recv_into(out)
 
     return push_pull
@@ -210,17 +212,8 @@ class MinimalWorker:
 
         self.request(header(Command.INIT), tensor_bytes(value))
         push, pull = encode_header(header(Command.PUSH), b"", 1, numel * 4), encode_header(header(Command.PULL))
-        value_bytes, out_bytes, copy = tensor_bytes(value), tensor_bytes(out), numel * 4 < ZERO_COPY_BYTES
-
-        def push_pull() -> None:
-            self.socket.send(push, zmq.SNDMORE)
-            self.socket.send(value_bytes, 0, copy)
-            self.socket.send(pull)
-            self.socket.recv()  # the push's acknowledgement
-            self.socket.recv()  # the pull's header; its value follows, received in place
-            self.socket.recv_into(out_bytes)
-
-        return push_pull
+        operation, value_bytes, out_bytes = raw_push_pull(self.socket, push, pull), tensor_bytes(value), tensor_bytes(out)
+        return lambda: operation(value_bytes, out_bytes)
 
     def close(self) -> None:
         self.request(Header(Command.BYE, 1, Role.WORKER, 0))
