@@ -144,7 +144,7 @@ class SlotTable:
     def set_optimizer_object(self, optimizer: Any) -> None:
         """Update with ``optimizer`` from now on; every slot gets fresh state.
 
-        Values are copied first: untracked zero-copy sends may still read the old tensors, and
+        Values are copied first: zero-copy sends may still read the old tensors, and
         optimizer updates write in place.
         """
         for slot_id, slot in self.slots.items():
