@@ -9,6 +9,7 @@ and ``out`` tensors must not be read, until the handle is done.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,8 +26,13 @@ Values = torch.Tensor | Sequence[torch.Tensor]
 class Handle:
     """Completion of one asynchronous kvstore operation, made of ``parts`` network requests.
 
-    Thread safety: parts complete (``part_done``/``fail``) from the kvstore's IO thread while any
-    thread may call ``wait``/``done``. ``on_complete`` runs once, in the thread finishing the last part.
+    Thread safety: parts complete (``part_done``/``fail``) from the kvstore's IO thread, or from a
+    waiting thread that receives replies itself (``driver``), while any thread may call
+    ``wait``/``done``. ``on_complete`` runs once, in the thread finishing the last part.
+
+    ``driver(handle, deadline)``, when given, is called by ``wait`` first: it may receive replies
+    on the waiting thread until the handle is done (the distributed store's ``Client.drive``),
+    which saves the hand-off from a receiving thread to the waiter on every reply.
 
     Why a bare lock and not ``threading.Event``: the lock is held while the operation runs and
     released once when it ends, so ``wait`` is one lock acquisition and finishing is one release;
@@ -34,8 +40,10 @@ class Handle:
     part of a small request's round trip.
     """
 
-    def __init__(self, what: str, parts: int, on_complete: Callable[[], None] | None = None) -> None:
+    def __init__(self, what: str, parts: int, on_complete: Callable[[], None] | None = None,
+                 driver: Callable[[Handle, float], None] | None = None) -> None:  # fmt: skip
         self.what = what
+        self._driver = driver
         self._remaining = parts
         self._on_complete = on_complete
         self._error: BaseException | None = None
@@ -84,7 +92,7 @@ class Handle:
     def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
         """Run ``callback(handle)`` once when the operation finishes or fails (at once if it already has).
 
-        It runs in the thread completing the operation (the kvstore's IO thread) or in the caller's
+        It runs in the thread completing the operation (the kvstore's receiving thread) or in the caller's
         thread if already done; keep it short and non-blocking. ``handle.error`` says whether it failed.
         """
         with self._lock:
@@ -108,15 +116,22 @@ class Handle:
         """True once the operation finished or failed; never blocks."""
         return self._finished
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, drive: bool = True) -> None:
         """Block until done; raise the operation's error, or ``KVStoreTimeout`` after ``timeout`` seconds.
 
         ``timeout=None`` means ``TANDEM_PS_WAIT_TIMEOUT`` (300 s): a dead peer is reported sooner by
         heartbeats, so this only bounds waits on peers that are alive but stuck.
+
+        ``drive=False`` leaves the replies to the store's IO thread, for a waiter that has other
+        work to return to at once: it is woken as soon as its own operation is done, while the
+        IO thread goes on receiving the others' replies (see ``DistributedTrainer._apply``).
         """
         if not self._finished:
             limit = knob("TANDEM_PS_WAIT_TIMEOUT") if timeout is None else timeout
-            if not self._running.acquire(timeout=max(limit, 0.0)):
+            deadline = time.monotonic() + limit
+            if drive and self._driver is not None:
+                self._driver(self, deadline)  # returns once done, or at once if another thread receives
+            if not self._running.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
                 raise KVStoreTimeout(f"{self.what} did not finish within {limit:.1f} s (TANDEM_PS_WAIT_TIMEOUT)")
             self._running.release()  # the next waiter (any thread) passes too
         if self._error is not None:

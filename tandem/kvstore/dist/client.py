@@ -7,6 +7,14 @@ thread says hello and goodbye, sends heartbeats, and completes requests as their
 receiving a pull's payload straight into its output tensor — so requests make progress while the
 application computes.
 
+A thread that waits on a handle receives replies itself (``drive``): the IO thread hands it the
+sockets and sleeps until nobody has driven for ``HANDBACK_SECONDS`` (at once if a driver leaves
+requests pending). Why: with the IO thread
+receiving, every awaited reply crossed two sleeping threads (the IO thread woke, then woke the
+waiter), which cost 11-18 % of a push+pull's wall time (docs/distributed.md, Benchmark).
+Only one thread receives at any time (the hand-over is synchronous), so the transport's
+notification descriptor and wake-up socket are never polled from two threads.
+
 Failure: a server silent for ``timeout`` seconds, or an ABORT from a server, fails every pending
 request with ``PeerFailure`` naming the node; the worker then tells the other servers (ABORT) and,
 unless ``exit_on_failure`` is off, exits the process after a short grace period even if the main
@@ -16,6 +24,7 @@ thread never waits again — so a dead peer never leaves a worker hanging.
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import logging
 import os
@@ -31,10 +40,11 @@ import zmq
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role
 from tandem.kvstore.dist.topology import DistOptions, ServerAddress
 from tandem.kvstore.dist.transport import Incoming, WorkerTransport
-from tandem.kvstore.errors import KVStoreTimeout, PeerFailure, RemoteError
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, RemoteError
 
 log = logging.getLogger("tandem.kvstore.worker")
 EXIT_GRACE_SECONDS = 3.0  # time the main thread gets to raise the failure itself before a hard exit
+HANDBACK_SECONDS = 0.002  # the IO thread receives again once no thread drove for this long
 
 
 @dataclass
@@ -65,7 +75,8 @@ class _Rendezvous:
 
 
 class Client:
-    """Thread safety: every public method may be called from any thread; callbacks run in the IO thread."""
+    """Thread safety: every public method may be called from any thread; callbacks run in the receiving
+    thread (the IO thread, or a thread in ``drive``) and must not block."""
 
     def __init__(
         self, addresses: list[ServerAddress], rank: int, options: DistOptions, hello: dict[str, object]
@@ -85,7 +96,14 @@ class Client:
         self._closing = threading.Event()
         self.on_received: Callable[[int, Header], None] | None = None  # P3: (server, header) of a parked request
         self._abort_reason = ""  # set by abort(): send ABORT, not goodbye
-        self.landed = 0  # replies received straight into their output tensor (IO thread counts; for tests)
+        self.landed = 0  # replies received straight into their output tensor (receivers count; for tests)
+        self._driving = threading.Lock()  # held by the waiting thread that receives (the driver)
+        self._driver_ident: int | None = None
+        self._receiver = threading.Condition()  # guards the three below; the hand-over's meeting point
+        self._driver_active = False
+        self._io_receiving = True  # the IO thread polls the sockets (else it sleeps on _receiver)
+        self._last_driven = 0.0
+        self.driven = 0  # replies received by waiting threads rather than the IO thread (for tests)
         self._thread = threading.Thread(target=self._run, name=f"tandem-kvstore-worker-{rank}", daemon=True)
         self._thread.start()
 
@@ -113,7 +131,7 @@ class Client:
 
     def submit(self, server: int, header: Header, payloads: Sequence[Any], on_reply: Callable[[Message], None],
                on_error: Callable[[BaseException], None]) -> None:  # fmt: skip
-        """Send a request to ``server`` now; ``on_reply``/``on_error`` run later in the IO thread.
+        """Send a request to ``server`` now; ``on_reply``/``on_error`` run later in the receiving thread.
 
         An ``on_reply`` with a ``landing`` attribute (writable bytes) gets the reply's payload
         received there in place when the size matches, and then sees ``message.landed``. Blocks
@@ -159,8 +177,73 @@ class Client:
             raise result["error"]
         return result["message"]
 
+    def drive(self, handle: Any, deadline: float) -> None:
+        """Receive replies on the calling thread until ``handle.done()``, ``deadline`` or a failure.
+
+        Returns at once where another thread receives (its completions wake this one through the
+        handle) or once the client is closing. Thread safe; raises where a reply callback waits
+        (it runs on the receiving thread, which would wait for itself).
+        """
+        if threading.current_thread() is self._thread or self._driver_ident == threading.get_ident():
+            raise KVStoreError("a kvstore handle was waited on inside a reply or done callback; callbacks run on "
+                               "the thread receiving replies and must not block: wait after they return")  # fmt: skip
+        if self._closing.is_set() or not self._driving.acquire(blocking=False):
+            return
+        self._driver_ident = threading.get_ident()
+        try:
+            if self._take_receiving(deadline):
+                self._receive_until(handle, deadline)
+        finally:
+            self._driver_ident = None
+            self._hand_back()
+            self._driving.release()
+
+    def _hand_back(self) -> None:
+        """Driver, done: the IO thread receives again after ``HANDBACK_SECONDS``, or at once if
+        requests are still pending (their replies may have no waiter, and P3's cap waits on them)."""
+        with self._receiver:
+            self._driver_active = False
+            self._last_driven = -math.inf if self._pending else time.monotonic()
+            if self._pending:
+                self._receiver.notify_all()
+
+    def _receive_until(self, handle: Any, deadline: float) -> None:
+        while not handle.done() and self._failure is None and time.monotonic() < deadline:
+            try:
+                for incoming in self.transport.poll(min(deadline - time.monotonic(), self.options.heartbeat),
+                                                    self._landing):  # fmt: skip
+                    self.driven += 1
+                    self._complete(incoming)
+            except PeerFailure as failure:  # an ABORT from a server
+                self._fail(failure)
+
+    def _take_receiving(self, deadline: float) -> bool:
+        """Driver: stop the IO thread receiving (wake it, wait until it sleeps); False if it did not."""
+        with self._receiver:
+            self._driver_active = True
+            if self._io_receiving:
+                self.transport.wake()
+                self._receiver.wait_for(lambda: not self._io_receiving, max(0.0, deadline - time.monotonic()))
+            return not self._io_receiving
+
+    def _io_yields(self, connected: bool) -> bool:
+        """IO thread: leave receiving to a driver (now or lately active)? Says so to a driver waiting."""
+        with self._receiver:
+            recent = self._driver_active or time.monotonic() - self._last_driven < HANDBACK_SECONDS
+            closing = self._closing.is_set()  # goodbyes need a receiver: a driver's, or else this thread
+            self._io_receiving = not (connected and (self._driver_active or (recent and not closing)))
+            if not self._io_receiving:
+                self._receiver.notify_all()
+            return not self._io_receiving
+
+    def _wake_io(self) -> None:
+        """Wake the IO thread, receiving (from the transport's poll) or not (from ``_receiver``)."""
+        self.transport.wake()
+        with self._receiver:
+            self._receiver.notify_all()
+
     def _complete(self, incoming: Incoming) -> None:
-        """Hand a received reply to its request (IO thread)."""
+        """Hand a received reply to its request (the receiving thread: the IO thread or a driver)."""
         server, message = incoming.peer, incoming.message
         if message is None:
             log.warning("worker %d rejected a message from server %d: %s", self.rank, server, incoming.error)
@@ -203,6 +286,10 @@ class Client:
         except Exception as error:  # a bug here must not leave the main thread waiting forever
             log.exception("worker %d: kvstore IO thread crashed", self.rank)
             self._fail(PeerFailure(f"worker {self.rank}: kvstore IO thread crashed: {error!r}"))
+        finally:
+            with self._receiver:  # a driver must not wait for this thread to hand over any more
+                self._io_receiving = False
+                self._receiver.notify_all()
 
     def _control_loop(self) -> None:
         next_heartbeat = time.monotonic()
@@ -210,8 +297,12 @@ class Client:
         while not self._goodbye.done.is_set():
             connected = self._hello.done.is_set() and self._hello.error is None
             wait = max(0.0, next_heartbeat - time.monotonic()) if connected else self.options.heartbeat
-            for incoming in self.transport.poll(wait, self._landing):
-                self._complete(incoming)
+            if self._io_yields(connected):  # a waiting thread receives: sleep, checking back now and then
+                with self._receiver:
+                    self._receiver.wait(min(wait, HANDBACK_SECONDS))
+            else:
+                for incoming in self.transport.poll(wait, self._landing):
+                    self._complete(incoming)
             if self._closing.is_set() and not saying_goodbye:
                 saying_goodbye = True
                 if self._abort_reason:  # dying of an exception: tell the job instead of leaving quietly
@@ -287,12 +378,12 @@ class Client:
         ):
             time.sleep(0.002)
         self._closing.set()
-        self.transport.wake()
+        self._wake_io()
         if not self._goodbye.done.wait(max(0.0, deadline - time.monotonic())) and self._failure is None:
             log.warning("worker %d: %d server(s) did not answer goodbye within %.1f s", self.rank,
                         self._goodbye.remaining, timeout)  # fmt: skip
         self._goodbye.done.set()  # stops the IO loop in every case
-        self.transport.wake()
+        self._wake_io()
         self._thread.join(timeout=timeout)
         self.transport.close()
         self._unanswered.clear()  # ZeroMQ has dropped what it still held: the memory may go now

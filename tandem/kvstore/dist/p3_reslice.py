@@ -93,7 +93,7 @@ def _take(client: Any, rank: int, move: Move, parts: list[Slice]) -> Taken:
 
 def _taken(value: torch.Tensor, state: dict[str, torch.Tensor], names: list[tuple[str, ...]], part: Slice,
            handle: Handle, message: Message) -> None:  # fmt: skip
-    """One old slot's reply (IO thread): its value and state land in the whole-key tensors."""
+    """One old slot's reply (receiving thread): its value and state land in the whole-key tensors."""
     part_value, part_state = state_from_payloads(message.payloads, value.dtype, part.numel)
     value[part.start : part.stop] = part_value
     names.append(tuple(sorted(part_state)))

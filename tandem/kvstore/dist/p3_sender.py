@@ -73,7 +73,8 @@ class PrioritySender:
 
     Thread safety: ``submit``, ``outstanding`` and ``water_mark`` may be used from any thread; one
     sender thread hands queued requests to the client (``submit`` sends itself when the queue is
-    empty and the cap allows); replies are completed in the client's IO thread.
+    empty and the cap allows); replies are completed by the client's receiving thread (its IO thread
+    or a thread waiting on a handle).
     """
 
     def __init__(self, client: Client, water_mark: int, slice_size: int, rank: int) -> None:
@@ -131,6 +132,10 @@ class PrioritySender:
 
     def call(self, server: int, header: Header, payloads: Sequence[Any], timeout: float) -> Message:
         return self._client.call(server, header, payloads, timeout)
+
+    def drive(self, handle: Any, deadline: float) -> None:
+        """``Client.drive``: replies (and so the releases of cap slots) are received by the waiter."""
+        self._client.drive(handle, deadline)
 
     def outstanding(self) -> int:
         """Requests queued here or awaiting a reply."""
@@ -190,7 +195,7 @@ class PrioritySender:
                 self._cond.notify_all()
 
     def _on_received(self, server: int, header: Header) -> None:
-        """IO thread: a server parked a request of this lane that asked for a notice: its slot is free again.
+        """Receiving thread: a server parked a request of this lane that asked for a notice: its slot is free again.
 
         Servers handle a lane in order and a notice precedes its reply, so it is the lane's oldest
         unreleased slot that asked for one.

@@ -10,11 +10,11 @@ that said hello.
 
 A DEALER is not thread safe, yet requests leave from the calling thread (handing each to the IO
 thread costs a thread switch and a GIL hand-over per message, which dominated small transfers)
-while the IO thread receives replies. So each DEALER is used only under its lock, and the IO thread
-never blocks inside ZeroMQ: it waits on the socket's notification descriptor (``ZMQ_FD``) and
-drains under the lock. That descriptor is edge-triggered: a send (even a refused one) may consume
-the notice of a reply that arrived meanwhile, so a sender that finds the socket readable after
-trying wakes the IO thread itself. Sends never block under the lock (``NOBLOCK``, retried until
+while one receiving thread (the IO thread, or a waiter it handed over to: ``Client.drive``) takes
+replies. So each DEALER is used only under its lock, and the receiver never blocks inside ZeroMQ:
+it waits on the socket's notification descriptor (``ZMQ_FD``) and drains under the lock. That
+descriptor is edge-triggered: a send (even a refused one) may consume the notice of a reply that
+arrived meanwhile, so a sender that finds the socket readable after trying wakes the receiver. Sends never block under the lock (``NOBLOCK``, retried until
 the send timeout; the IO thread's heartbeats are not retried).
 
 Tensor payloads of at least ``ZERO_COPY_BYTES`` go out without a copy (ZeroMQ reads the tensor's
@@ -130,10 +130,11 @@ class ServerTransport(_Endpoint):
 
 
 class WorkerTransport(_Endpoint):
-    """Per server one DEALER, shared under a lock by the sending threads and the IO thread.
+    """Per server one DEALER, shared under a lock by the sending threads and the receiving thread.
 
-    Thread safety: ``poll`` belongs to the IO thread; ``send`` and ``wake`` may be called from any
-    thread (each socket is used only under its lock).
+    Thread safety: ``poll`` belongs to one receiving thread at a time (the caller hands it over with
+    a memory barrier, e.g. a lock); ``send`` and ``wake`` may be called from any thread (each socket
+    is used only under its lock).
     """
 
     def __init__(self, secret: bytes, endpoints: list[str], identity: bytes, send_timeout: float) -> None:
@@ -163,7 +164,7 @@ class WorkerTransport(_Endpoint):
         return socket
 
     def wake(self) -> None:
-        """Interrupt a ``poll`` in the IO thread. Thread safe; never blocks (a wake already queued will do)."""
+        """Interrupt a ``poll`` (in the receiving thread). Thread safe; never blocks (a wake already queued will do)."""
         with self._wake_lock:
             try:
                 self._wake_out.send(b"", zmq.NOBLOCK)
@@ -202,7 +203,7 @@ class WorkerTransport(_Endpoint):
             time.sleep(0.001)  # the server is not reading: back off without holding the lock
 
     def poll(self, timeout: float, landing: Landing | None = None) -> list[Incoming]:
-        """IO thread only: replies and notices arriving within ``timeout`` seconds (or until ``wake``).
+        """The receiving thread only: replies and notices arriving within ``timeout`` seconds (or until ``wake``).
 
         A reply whose payload ``landing`` has a buffer for (a pull's output tensor) is received
         straight into it, saving a copy and the allocation of a big frame.

@@ -1,8 +1,9 @@
 """The worker side of ``dist_sync`` / ``dist_async``: plans each key into slices and sends them.
 
 Each push, pull or pushpull becomes one request per slice (``placement``), all completing one
-``Handle``. Pulled slices are copied straight from the received frame into the caller's tensor in
-the IO thread, which is why results are only visible after ``wait``.
+``Handle``. Pulled slices are received straight into the caller's tensor by the receiving thread
+(the IO thread, or the thread waiting on the handle), which is why results are only visible after
+``wait``.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class DistKVStore(KVStore):
             for finish in finishers:
                 finish()
 
-        handle = Handle(what, sum(len(slices) for *_, slices in plans), finish_all)
+        handle = Handle(what, sum(len(slices) for *_, slices in plans), finish_all, self._client.drive)
         for key, value, targets, slices in plans:
             flat = value.reshape(-1)
             receive, finish = _receiver(targets, value) if targets else (None, None)
@@ -157,7 +158,7 @@ class DistKVStore(KVStore):
 
     def barrier(self) -> None:
         self._check_usable()
-        handle = Handle("barrier", 1)
+        handle = Handle("barrier", 1, driver=self._client.drive)
         self._client.submit(0, Header(Command.BARRIER, 0, Role.WORKER, self.rank), [],
                             lambda message: handle.part_done(), handle.fail)  # fmt: skip
         handle.wait()
@@ -245,7 +246,7 @@ def _part(flat: torch.Tensor, part: Slice) -> torch.Tensor:
 
 @dataclass
 class _Reply:
-    """Completes one slice of a handle; for pulls, ``landing`` lets the IO thread receive the value in place."""
+    """Completes one slice of a handle; for pulls, ``landing`` lets the receiver take the value in place."""
 
     handle: Handle
     target: torch.Tensor | None  # the flat tensor the reply's values belong in

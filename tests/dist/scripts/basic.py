@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 import tandem.kvstore as kvstore
@@ -42,6 +45,46 @@ handles = [kv.pushpull("temporary", torch.full((1 << 20,), (rank + 1.0) * (round
 for round, (handle, out) in enumerate(zip(handles, outs_in_flight)):
     handle.wait()
     assert torch.equal(out, torch.full((1 << 20,), total * (round + 1))), (round, out)
+
+# who receives replies: a waiting thread receives them itself (rank 0's pushpull is answered only
+# once every worker pushed, and the others push only once rank 0 waits); replies nobody waits for
+# still arrive (the IO thread takes over once no thread waits); two threads may wait at once
+kv.init("late", torch.zeros(4))
+late = torch.empty(4)
+if rank == 0:
+
+    def say_when_waiting() -> None:
+        for _ in range(30_000):
+            if kv._client._driver_active:
+                kv.rendezvous.set("basic: rank 0 waits", "1")
+                return
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=say_when_waiting)
+    if workers > 1:  # alone, the reply may well come before the wait
+        watcher.start()
+    driven = kv._client.driven
+    kv.pushpull("late", torch.ones(4), out=late).wait()
+    if workers > 1:
+        watcher.join()
+        assert kv._client.driven > driven, "the waiting thread did not receive its reply itself"
+else:
+    kv.rendezvous.wait(["basic: rank 0 waits"])
+    kv.pushpull("late", torch.ones(4), out=late).wait()
+assert torch.equal(late, torch.full((4,), float(workers))), late
+unwaited = kv.pull("odd", outs[0])
+deadline = time.monotonic() + 30
+while not unwaited.done() and time.monotonic() < deadline:
+    time.sleep(0.01)
+assert unwaited.done(), "a reply nobody waited for was not received"
+pulled = [torch.empty(1000), torch.empty(1000)]
+threads = [threading.Thread(target=lambda out=out: kv.pull("big", out).wait()) for out in pulled]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(timeout=60)
+assert not any(thread.is_alive() for thread in threads), "two threads waiting at once did not both finish"
+assert all(torch.equal(out, torch.arange(1000.0) * total) for out in pulled), pulled
 
 # errors come back to the caller and the servers keep serving
 for bad, match in [
