@@ -226,14 +226,16 @@ class Client:
                 self._receiver.wait_for(lambda: not self._io_receiving, max(0.0, deadline - time.monotonic()))
             return not self._io_receiving
 
-    def _io_yields(self, connected: bool) -> bool:
-        """IO thread: leave receiving to a driver (now or lately active)? Says so to a driver waiting."""
+    def _io_yields(self, connected: bool, wait: float) -> bool:
+        """IO thread: leave receiving to a driver (now or lately active)? If so, say so to a driver
+        waiting for it, and sleep until woken or for at most ``wait`` and ``HANDBACK_SECONDS``."""
         with self._receiver:
             recent = self._driver_active or time.monotonic() - self._last_driven < HANDBACK_SECONDS
             closing = self._closing.is_set()  # goodbyes need a receiver: a driver's, or else this thread
             self._io_receiving = not (connected and (self._driver_active or (recent and not closing)))
             if not self._io_receiving:
                 self._receiver.notify_all()
+                self._receiver.wait(min(wait, HANDBACK_SECONDS))  # in the same hold: no notice is lost
             return not self._io_receiving
 
     def _wake_io(self) -> None:
@@ -297,10 +299,7 @@ class Client:
         while not self._goodbye.done.is_set():
             connected = self._hello.done.is_set() and self._hello.error is None
             wait = max(0.0, next_heartbeat - time.monotonic()) if connected else self.options.heartbeat
-            if self._io_yields(connected):  # a waiting thread receives: sleep, checking back now and then
-                with self._receiver:
-                    self._receiver.wait(min(wait, HANDBACK_SECONDS))
-            else:
+            if not self._io_yields(connected, wait):  # else a waiting thread received meanwhile
                 for incoming in self.transport.poll(wait, self._landing):
                     self._complete(incoming)
             if self._closing.is_set() and not saying_goodbye:
