@@ -8,10 +8,14 @@
   one tensor; medians of wall time and of the CPU time of every thread of worker and server per
   operation (``/proc/<pid>/task/*/schedstat``, Linux). On this machine CPU moves where wall time
   cannot show it: wall-time medians of the same code differ by about 5 % between sides.
+- ``drive``: no second checkout: one such job of this checkout switches ``Client.drive`` (the
+  waiting thread receives its replies) on and off every ``--block`` operations, so both sides
+  share the processes, the server and the moment; medians of wall and CPU time per push+pull.
 
 Reproduce (the commands docs quote):
   .venv/bin/python bench/ab.py p3 --base 7a93f9f --model vgg --modes baseline p3 --jobs 4
   .venv/bin/python bench/ab.py kvstore --base 7a93f9f --size 1048576 --rounds 25
+  .venv/bin/python bench/ab.py drive --size 1048576 --rounds 40
 """
 
 from __future__ import annotations
@@ -54,6 +58,46 @@ try:
 finally:
     processes.stop()
 """
+
+
+# one job; each round times a block with the waiting thread receiving ("drive") and one without ("io")
+DRIVE_JOB = """
+import os, statistics, sys, time, torch, bench.kvstore as kb
+from tandem.kvstore.dist.client import Client
+torch.set_num_threads(1)
+size, rounds, block = map(int, sys.argv[1:4])
+processes, drive = kb.Processes(), Client.drive
+try:
+    value, out = torch.ones(size // 4), torch.empty(size // 4)
+    kv, store, (server,) = kb.kvstore_job(processes, 1)
+    kv.init("ab", value)
+    operation = kb.kvstore_push_pull(kv, "ab", value, out)
+    cpu = lambda: sum(kb.thread_cpu_seconds(os.getpid())) + sum(kb.thread_cpu_seconds(server))
+    samples = {"drive": [], "io": []}
+    for round_index in range(rounds):
+        for side in ("drive", "io") if round_index % 2 == 0 else ("io", "drive"):
+            Client.drive = drive if side == "drive" else (lambda client, handle, deadline: None)
+            for _ in range(5):  # settle into the side (the IO thread takes the sockets back within 2 ms)
+                operation()
+            wall, used = time.perf_counter(), cpu()
+            for _ in range(block):
+                operation()
+            samples[side].append(((time.perf_counter() - wall) / block * 1e6, (cpu() - used) / block * 1e6))
+    Client.drive = drive
+    medians = {side: [statistics.median(values) for values in zip(*runs)] for side, runs in samples.items()}
+    for side, (wall, used) in medians.items():
+        print(f"  {side:5s} wall {wall:6.0f} us/op  CPU (worker + server) {used:6.0f} us/op")
+    print(f"  drive / io: wall {medians['drive'][0] / medians['io'][0]:.3f}, CPU {medians['drive'][1] / medians['io'][1]:.3f}")
+    kv.close()
+finally:
+    processes.stop()
+"""
+
+
+def drive(args: argparse.Namespace) -> None:
+    print(f"push+pull of {args.size} bytes, one server, medians of {args.rounds} rounds of {args.block} operations:")
+    subprocess.run([sys.executable, "-c", DRIVE_JOB, str(args.size), str(args.rounds), str(args.block)], cwd=ROOT,
+                   env=_env(ROOT), stderr=subprocess.DEVNULL, check=True, timeout=1800)  # fmt: skip
 
 
 @contextmanager
@@ -144,8 +188,12 @@ def main() -> None:
     store.add_argument("--rounds", type=int, default=25, help="rounds per side (median)")
     for command in (jobs, store):
         command.add_argument("--base", required=True, help="the earlier commit (any git revision)")
+    toggle = commands.add_parser("drive", help="push+pull with Client.drive on and off in one job")
+    toggle.add_argument("--size", type=int, default=1 << 20, help="tensor bytes")
+    toggle.add_argument("--rounds", type=int, default=40, help="rounds (median); each times both sides")
+    toggle.add_argument("--block", type=int, default=30, help="operations per side and round")
     args = parser.parse_args()
-    {"p3": p3, "kvstore": kvstore}[args.what](args)
+    {"p3": p3, "kvstore": kvstore, "drive": drive}[args.what](args)
 
 
 if __name__ == "__main__":

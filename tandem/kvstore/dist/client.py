@@ -11,7 +11,7 @@ A thread that waits on a handle receives replies itself (``drive``): the IO thre
 sockets and sleeps until nobody has driven for ``HANDBACK_SECONDS`` (at once if a driver leaves
 requests pending). Why: with the IO thread
 receiving, every awaited reply crossed two sleeping threads (the IO thread woke, then woke the
-waiter): 12-18 % of a 4 KB push+pull's wall time, up to 15 % at 1 MB (docs/distributed.md).
+waiter): 8-18 % of a 4 KB push+pull's wall time, 3-30 % at 1 MB (docs/distributed.md).
 Only one thread receives at any time (the hand-over is synchronous), so the transport's
 notification descriptor and wake-up socket are never polled from two threads.
 
