@@ -34,9 +34,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 P3_JOB = ("import json, sys, bench.p3 as p3; r = p3.run_tandem(sys.argv[1], sys.argv[2], sys.argv[3], 5, 4, "
           "p3._mode_env(sys.argv[2])); print(json.dumps([r['seconds'], r['compute']]))")  # fmt: skip
-# a one-server kvstore job answering each count read from stdin with wall and CPU microseconds per push+pull
+# a one-server kvstore job answering each line "count [io]" with wall and CPU microseconds per
+# push+pull; "io" switches Client.drive off for that block (the IO thread receives every reply)
 KVSTORE_JOB = """
 import os, sys, time, torch, bench.kvstore as kb
+from tandem.kvstore.dist.client import Client
 torch.set_num_threads(1)
 processes = kb.Processes()
 try:
@@ -45,59 +47,22 @@ try:
     kv.init("ab", value)
     operation = kb.kvstore_push_pull(kv, "ab", value, out)
     cpu = lambda: sum(kb.thread_cpu_seconds(os.getpid())) + sum(kb.thread_cpu_seconds(server))
+    drive = getattr(Client, "drive", None)  # None before the waiting thread received its replies
     print("ready", flush=True)
     for line in sys.stdin:
-        count = int(line)
-        if count == 0:
+        count, *mode = line.split()
+        if int(count) == 0:
             break
+        if drive is not None:
+            Client.drive = (lambda client, handle, deadline: None) if mode == ["io"] else drive
         wall, used = time.perf_counter(), cpu()
-        for _ in range(count):
+        for _ in range(int(count)):
             operation()
-        print((time.perf_counter() - wall) / count * 1e6, (cpu() - used) / count * 1e6, flush=True)
+        print((time.perf_counter() - wall) / int(count) * 1e6, (cpu() - used) / int(count) * 1e6, flush=True)
     kv.close()
 finally:
     processes.stop()
 """
-
-
-# one job; each round times a block with the waiting thread receiving ("drive") and one without ("io")
-DRIVE_JOB = """
-import os, statistics, sys, time, torch, bench.kvstore as kb
-from tandem.kvstore.dist.client import Client
-torch.set_num_threads(1)
-size, rounds, block = map(int, sys.argv[1:4])
-processes, drive = kb.Processes(), Client.drive
-try:
-    value, out = torch.ones(size // 4), torch.empty(size // 4)
-    kv, store, (server,) = kb.kvstore_job(processes, 1)
-    kv.init("ab", value)
-    operation = kb.kvstore_push_pull(kv, "ab", value, out)
-    cpu = lambda: sum(kb.thread_cpu_seconds(os.getpid())) + sum(kb.thread_cpu_seconds(server))
-    samples = {"drive": [], "io": []}
-    for round_index in range(rounds):
-        for side in ("drive", "io") if round_index % 2 == 0 else ("io", "drive"):
-            Client.drive = drive if side == "drive" else (lambda client, handle, deadline: None)
-            for _ in range(5):  # settle into the side (the IO thread takes the sockets back within 2 ms)
-                operation()
-            wall, used = time.perf_counter(), cpu()
-            for _ in range(block):
-                operation()
-            samples[side].append(((time.perf_counter() - wall) / block * 1e6, (cpu() - used) / block * 1e6))
-    Client.drive = drive
-    medians = {side: [statistics.median(values) for values in zip(*runs)] for side, runs in samples.items()}
-    for side, (wall, used) in medians.items():
-        print(f"  {side:5s} wall {wall:6.0f} us/op  CPU (worker + server) {used:6.0f} us/op")
-    print(f"  drive / io: wall {medians['drive'][0] / medians['io'][0]:.3f}, CPU {medians['drive'][1] / medians['io'][1]:.3f}")
-    kv.close()
-finally:
-    processes.stop()
-"""
-
-
-def drive(args: argparse.Namespace) -> None:
-    print(f"push+pull of {args.size} bytes, one server, medians of {args.rounds} rounds of {args.block} operations:")
-    subprocess.run([sys.executable, "-c", DRIVE_JOB, str(args.size), str(args.rounds), str(args.block)], cwd=ROOT,
-                   env=_env(ROOT), stderr=subprocess.DEVNULL, check=True, timeout=1800)  # fmt: skip
 
 
 @contextmanager
@@ -143,36 +108,64 @@ def p3(args: argparse.Namespace) -> None:
         print(f"  {mode:9s} {side:5s} step {step:6.1f} ms  step/compute {ratio:.2f}")
 
 
-def kvstore(args: argparse.Namespace) -> None:
-    count = max(20, min(300, int(0.15e9 / args.size / 2)))  # about 0.15 s per side and round at 1 GB/s
-    samples: dict[str, list[tuple[float, float]]] = {}
-    with sides(args.base) as trees:
-        jobs = {side: subprocess.Popen([sys.executable, "-c", KVSTORE_JOB, str(args.size)], cwd=tree, env=_env(tree),
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                       text=True) for side, tree in trees.items()}  # fmt: skip
-        try:
-            for side, job in jobs.items():
-                if job.stdout is None or job.stdout.readline().strip() != "ready":
-                    raise RuntimeError(f"the {side} kvstore job did not start")
-            for round_index, side, _ in alternating(trees, args.rounds + 1):
-                job = jobs[side]
-                assert job.stdin is not None and job.stdout is not None
-                job.stdin.write(f"{count}\n")
-                job.stdin.flush()
-                wall, cpu = map(float, job.stdout.readline().split())
-                if round_index:  # the first round warms up
-                    samples.setdefault(side, []).append((wall, cpu))
-        finally:
-            for job in jobs.values():
-                if job.stdin is not None:
-                    job.stdin.write("0\n")
-                    job.stdin.close()
-                job.wait(timeout=60)
-    print(f"\npush+pull of {args.size} bytes, one server, base {args.base}, medians of {args.rounds} alternating rounds:")
+@contextmanager
+def kvstore_jobs(trees: dict[str, Path], size: int) -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """One ``KVSTORE_JOB`` per tree, started and ready; each told to stop afterwards."""
+    jobs = {side: subprocess.Popen([sys.executable, "-c", KVSTORE_JOB, str(size)], cwd=tree, env=_env(tree),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   text=True) for side, tree in trees.items()}  # fmt: skip
+    try:
+        for side, job in jobs.items():
+            if job.stdout is None or job.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the {side} kvstore job did not start")
+        yield jobs
+    finally:
+        for job in jobs.values():
+            if job.stdin is not None:
+                job.stdin.write("0\n")
+                job.stdin.close()
+            job.wait(timeout=60)
+
+
+def timed(job: subprocess.Popen[str], line: str) -> tuple[float, float]:
+    """Wall and CPU microseconds per push+pull of one block (``line``: "count [io]")."""
+    assert job.stdin is not None and job.stdout is not None
+    job.stdin.write(f"{line}\n")
+    job.stdin.flush()
+    wall, cpu = map(float, job.stdout.readline().split())
+    return wall, cpu
+
+
+def report(samples: dict[str, list[tuple[float, float]]], this: str, base: str) -> None:
     medians = {side: [statistics.median(values) for values in zip(*runs)] for side, runs in samples.items()}
     for side, (wall, cpu) in medians.items():
         print(f"  {side:5s} wall {wall:6.0f} us/op  CPU (worker + server) {cpu:6.0f} us/op")
-    print(f"  this / base: wall {medians['this'][0] / medians['base'][0]:.3f}, CPU {medians['this'][1] / medians['base'][1]:.3f}")
+    print(f"  {this} / {base}: wall {medians[this][0] / medians[base][0]:.3f}, "
+          f"CPU {medians[this][1] / medians[base][1]:.3f}")  # fmt: skip
+
+
+def kvstore(args: argparse.Namespace) -> None:
+    count = max(20, min(300, int(0.15e9 / args.size / 2)))  # about 0.15 s per side and round at 1 GB/s
+    samples: dict[str, list[tuple[float, float]]] = {}
+    with sides(args.base) as trees, kvstore_jobs(trees, args.size) as jobs:
+        for round_index, side, _ in alternating(trees, args.rounds + 1):
+            result = timed(jobs[side], str(count))
+            if round_index:  # the first round warms up
+                samples.setdefault(side, []).append(result)
+    print(f"\npush+pull of {args.size} bytes, one server, base {args.base}, medians of {args.rounds} alternating rounds:")
+    report(samples, "this", "base")
+
+
+def drive(args: argparse.Namespace) -> None:
+    """One job of this checkout, ``Client.drive`` on ("drive") and off ("io") block by block."""
+    samples: dict[str, list[tuple[float, float]]] = {}
+    with kvstore_jobs({"job": ROOT}, args.size) as jobs:
+        for _, side, _ in alternating({"drive": ROOT, "io": ROOT}, args.rounds):
+            mode = "io" if side == "io" else ""
+            timed(jobs["job"], f"5 {mode}")  # settle into the side (the IO thread takes the sockets back within 2 ms)
+            samples.setdefault(side, []).append(timed(jobs["job"], f"{args.block} {mode}"))
+    print(f"push+pull of {args.size} bytes, one server, medians of {args.rounds} rounds of {args.block} operations:")
+    report(samples, "drive", "io")
 
 
 def main() -> None:
