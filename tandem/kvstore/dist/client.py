@@ -9,11 +9,11 @@ application computes.
 
 A thread that waits on a handle receives replies itself (``drive``): the IO thread hands it the
 sockets and sleeps until nobody has driven for ``HANDBACK_SECONDS`` (at once if a driver leaves
-requests pending). Why: with the IO thread
-receiving, every awaited reply crossed two sleeping threads (the IO thread woke, then woke the
-waiter): 8-18 % of a 4 KB push+pull's wall time, 3-30 % at 1 MB (docs/distributed.md).
-Only one thread receives at any time (the hand-over is synchronous), so the transport's
-notification descriptor and wake-up socket are never polled from two threads.
+requests pending). Why: with the IO thread receiving, every awaited reply crossed two sleeping
+threads (the IO thread woke, then woke the waiter): 8-18 % of a 4 KB push+pull's wall time, 3-30 %
+at 1 MB (docs/distributed.md). Only one thread receives at any time (the hand-over is
+synchronous), so the transport's notification descriptor and wake-up socket are never polled
+from two threads.
 
 Failure: a server silent for ``timeout`` seconds, or an ABORT from a server, fails every pending
 request with ``PeerFailure`` naming the node; the worker then tells the other servers (ABORT) and,
@@ -24,9 +24,9 @@ thread never waits again — so a dead peer never leaves a worker hanging.
 from __future__ import annotations
 
 import itertools
-import math
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -201,21 +201,26 @@ class Client:
     def _hand_back(self) -> None:
         """Driver, done: the IO thread receives again after ``HANDBACK_SECONDS``, or at once if
         requests are still pending (their replies may have no waiter, and P3's cap waits on them)."""
+        pending = bool(self._pending)
         with self._receiver:
             self._driver_active = False
-            self._last_driven = -math.inf if self._pending else time.monotonic()
-            if self._pending:
+            self._last_driven = -math.inf if pending else time.monotonic()
+            if pending:
                 self._receiver.notify_all()
 
     def _receive_until(self, handle: Any, deadline: float) -> None:
         while not handle.done() and self._failure is None and time.monotonic() < deadline:
             try:
-                for incoming in self.transport.poll(min(deadline - time.monotonic(), self.options.heartbeat),
-                                                    self._landing):  # fmt: skip
-                    self.driven += 1
-                    self._complete(incoming)
+                self.driven += self._receive(min(deadline - time.monotonic(), self.options.heartbeat))
             except PeerFailure as failure:  # an ABORT from a server
                 self._fail(failure)
+
+    def _receive(self, timeout: float) -> int:
+        """The receiving thread: complete what arrives within ``timeout`` seconds; how many messages."""
+        received = self.transport.poll(timeout, self._landing)
+        for incoming in received:
+            self._complete(incoming)
+        return len(received)
 
     def _take_receiving(self, deadline: float) -> bool:
         """Driver: stop the IO thread receiving (wake it, wait until it sleeps); False if it did not."""
@@ -300,8 +305,7 @@ class Client:
             connected = self._hello.done.is_set() and self._hello.error is None
             wait = max(0.0, next_heartbeat - time.monotonic()) if connected else self.options.heartbeat
             if not self._io_yields(connected, wait):  # else a waiting thread received meanwhile
-                for incoming in self.transport.poll(wait, self._landing):
-                    self._complete(incoming)
+                self._receive(wait)
             if self._closing.is_set() and not saying_goodbye:
                 saying_goodbye = True
                 if self._abort_reason:  # dying of an exception: tell the job instead of leaving quietly
