@@ -144,6 +144,8 @@ class Handle:
 
 def normalize(keys: Key | Sequence[Key], values: Any, what: str) -> list[tuple[Key, list[torch.Tensor]]]:
     """Pair every key with its list of tensors (one per device) and check the types, naming the fix."""
+    if (type(keys) is str or type(keys) is int) and isinstance(values, torch.Tensor):  # the common case, cheaply
+        return [(keys, [values])]
     if not isinstance(keys, Sequence) or isinstance(keys, str):
         return [(_check_key(keys), _tensor_list(keys, values, what))]
     keys = list(keys)
@@ -178,7 +180,10 @@ def _tensor_list(key: Key, value: Any, what: str) -> list[torch.Tensor]:
 
 def reduce_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The sum of per-device values as one contiguous CPU tensor (no copy for a single CPU tensor)."""
-    total = tensors[0].detach().to("cpu").contiguous()
+    first = tensors[0]
+    if len(tensors) == 1 and first.is_cpu and not first.requires_grad and first.is_contiguous():
+        return first  # already what is sent: skip three no-op torch calls
+    total = first.detach().to("cpu").contiguous()
     if len(tensors) > 1:
         total = total.clone()
         for tensor in tensors[1:]:

@@ -195,3 +195,39 @@ def test_a_reused_header_is_packed_once_and_sent_with_each_request_id(secret: by
     resized = decode_header(encode_header(header, secret, payload_count=2, payload_nbytes=9), secret)
     assert (resized.payload_count, resized.payload_nbytes) == (2, 9)  # a different size is packed anew
     assert decode_header(encode_header(header, secret), secret) == header  # and the first size still holds
+
+
+def test_a_header_decoded_again_equals_a_fresh_parse() -> None:
+    """A frame seen before is looked up, not parsed: the result must not tell the difference."""
+    header = _push(key="cached-key", shape=(105,), receipt=True)
+    first = decode_header(encode_header(header, request_id=1))
+    again = decode_header(encode_header(replace(header, timestamp=5.0), request_id=2))  # looked up
+    assert again == replace(first, request_id=2, timestamp=5.0) and again is not first
+    assert decode_header(encode_header(header, request_id=3)).request_id == 3 and first.request_id == 1
+    frame = bytearray(encode_header(header, request_id=4))
+    struct.pack_into("<d", frame, 16, float("nan"))  # the timestamp, which the lookup skips
+    with pytest.raises(ProtocolError, match="timestamp is not finite"):
+        decode_header(bytes(frame))
+    changed = decode_header(encode_header(replace(header, priority=9)))
+    assert changed.priority == 9  # any other byte differing is another header
+
+
+def test_a_signed_header_is_verified_every_time() -> None:
+    header = _push(key="signed-key", shape=(105,))
+    frame = encode_header(header, b"s3cret", request_id=1)
+    assert decode_header(frame, b"s3cret").request_id == 1
+    forged = bytearray(frame)
+    struct.pack_into("<Q", forged, 8, 2)  # another request id under the same MAC
+    with pytest.raises(ProtocolError, match="bad message signature"):
+        decode_header(bytes(forged), b"s3cret")
+
+
+@pytest.mark.parametrize("error", [False, True])
+def test_replies_packed_once_carry_each_request_id(error: bool) -> None:
+    request = decode_header(encode_header(_push(key="reply-key", shape=(105,)), request_id=5))
+    for request_id, count, nbytes in [(5, 1, 420), (6, 1, 420), (7, 0, 0)]:
+        asked = replace(request, request_id=request_id)
+        asked.__dict__["_replies"] = request.__dict__["_replies"]  # as decode_header shares it
+        reply = decode_header(encode_reply(asked, 2, b"", count, nbytes, error))
+        slow = asked.reply(Role.SERVER, 2, error=error, payload_count=count, payload_nbytes=nbytes)
+        assert reply == replace(slow, timestamp=reply.timestamp)

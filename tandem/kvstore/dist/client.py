@@ -184,12 +184,13 @@ class Client:
         handle) or once the client is closing. Thread safe; raises where a reply callback waits
         (it runs on the receiving thread, which would wait for itself).
         """
-        if threading.current_thread() is self._thread or self._driver_ident == threading.get_ident():
+        ident = threading.get_ident()
+        if ident == self._thread.ident or ident == self._driver_ident:
             raise KVStoreError("a kvstore handle was waited on inside a reply or done callback; callbacks run on "
                                "the thread receiving replies and must not block: wait after they return")  # fmt: skip
         if self._closing.is_set() or not self._driving.acquire(blocking=False):
             return
-        self._driver_ident = threading.get_ident()
+        self._driver_ident = ident
         try:
             if self._take_receiving(deadline):
                 self._receive_until(handle, deadline)

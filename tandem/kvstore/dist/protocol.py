@@ -41,6 +41,7 @@ MAX_PAYLOADS = 8
 FIXED = struct.Struct("<4sHBBQdBHiBHBBqqBQ")
 _FLAGS_OFFSET, _ID_OFFSET = 7, 8  # where FIXED puts the flags byte, and the request id followed by the timestamp
 _ID_AND_TIME = struct.Struct("<Qd")
+_TIME_END = _ID_OFFSET + _ID_AND_TIME.size
 
 Key = int | str
 
@@ -211,13 +212,27 @@ def encode_reply(request: Header, rank: int, secret: bytes, payload_count: int =
     """A server's response header to ``request`` (same command, id, key and slice) in one step.
 
     Equivalent to ``encode_header(request.reply(Role.SERVER, rank, error=error), ...)`` without
-    building the intermediate Header: a server writes one per request.
+    building the intermediate Header: a server writes one per request. Unsigned replies to a
+    header decoded before are packed once and kept (``decode_header``); only id and time change.
     """
-    return _pack(
-        request.command, _RESPONSE | (_ERROR if error else 0), request.request_id, time.time(), Role.SERVER,
-        rank, request.priority, request.key, request.dtype, request.shape, request.slice_start,
-        request.slice_stop, payload_count, payload_nbytes, secret,
-    )  # fmt: skip
+    replies = None if secret else request.__dict__.get("_replies")
+    if replies is None:
+        return _pack(
+            request.command, _RESPONSE | (_ERROR if error else 0), request.request_id, time.time(), Role.SERVER,
+            rank, request.priority, request.key, request.dtype, request.shape, request.slice_start,
+            request.slice_stop, payload_count, payload_nbytes, secret,
+        )  # fmt: skip
+    shape = (rank, payload_count, payload_nbytes, error)
+    body = replies.get(shape)
+    if body is None:
+        if len(replies) >= _REPLIES_LIMIT:
+            replies.clear()
+        body = replies[shape] = _pack(
+            request.command, _RESPONSE | (_ERROR if error else 0), 0, 0.0, Role.SERVER, rank, request.priority,
+            request.key, request.dtype, request.shape, request.slice_start, request.slice_stop, payload_count,
+            payload_nbytes, b"",
+        )  # fmt: skip
+    return body[:_ID_OFFSET] + _ID_AND_TIME.pack(request.request_id, time.time()) + body[_TIME_END:]
 
 
 def _pack(command: int, flags: int, request_id: int, timestamp: float, role: int, rank: int, priority: int,
@@ -296,6 +311,40 @@ def _verify(frame: bytes, secret: bytes, signed: bool) -> bytes:
 
 
 def decode_header(frame: bytes, secret: bytes = b"") -> Header:
+    """Parse and validate a header frame; raises ``ProtocolError`` naming the first problem.
+
+    A job sends the same few headers over and over (one per command, key and slice), differing
+    only in request id and timestamp. So an unsigned frame seen before is looked up by the rest of
+    its bytes instead of parsed and checked again: byte for byte the same, it is just as valid.
+    (A signed frame is verified every time: its MAC covers the id.) Decoded headers share a small
+    cache of packed replies (``encode_reply``).
+    """
+    if not secret:
+        known = _DECODED.get(frame[:_ID_OFFSET] + frame[_TIME_END:])
+        if known is not None:
+            request_id, timestamp = _ID_AND_TIME.unpack_from(frame, _ID_OFFSET)
+            if not math.isfinite(timestamp):
+                raise ProtocolError("timestamp is not finite")
+            header = _new_header(Header)
+            fields = header.__dict__
+            fields.update(known.__dict__)
+            fields["request_id"], fields["timestamp"] = request_id, timestamp
+            return header
+    header = _parse_header(frame, secret)
+    if not secret:
+        if len(_DECODED) >= _DECODED_LIMIT:
+            _DECODED.clear()
+        header.__dict__["_replies"] = {}
+        _DECODED[frame[:_ID_OFFSET] + frame[_TIME_END:]] = header
+    return header
+
+
+_DECODED: dict[bytes, Header] = {}  # see decode_header: a frame without id and timestamp -> its header
+_DECODED_LIMIT = 16384  # bounds what a hostile peer can make us keep (~20 MB)
+_REPLIES_LIMIT = 64  # packed replies per decoded header (per rank, payload size and error flag)
+
+
+def _parse_header(frame: bytes, secret: bytes) -> Header:
     """Parse and validate a header frame; raises ``ProtocolError`` naming the first problem.
 
     Problems are spelled out only once found (``if ...: raise``): formatting every message up

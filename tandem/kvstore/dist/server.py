@@ -298,21 +298,28 @@ class Server:
         if not self.options.sync:
             self.table.apply(slot, push[0], merged_owned=False, frame=push[1])
             return
-        rounds = self.rounds.setdefault(slot_id, _Rounds())
-        rounds.queued.setdefault(worker, deque()).append(push)
+        rounds = self.rounds.get(slot_id)
+        if rounds is None:
+            rounds = self.rounds[slot_id] = _Rounds()
+        queued = rounds.queued
+        queue = queued.get(worker)
+        if queue is None:
+            queue = queued[worker] = deque()
+        queue.append(push)
         rounds.pushed[worker] = rounds.pushed.get(worker, 0) + 1
-        workers = range(self.topology.num_workers)
-        while all(rounds.queued.get(rank) for rank in workers):
-            pushes = [rounds.queued[rank].popleft() for rank in workers]  # rank order: deterministic sums
-            if len(pushes) == 1:
-                self.table.apply(slot, pushes[0][0], merged_owned=False, frame=pushes[0][1])
-            else:
-                self.table.apply(slot, _sum([tensor for tensor, _ in pushes]), merged_owned=True)
+        workers = self.topology.num_workers
+        while len(queued) == workers and all(queued.values()):  # keys: ranks below workers (hello checks)
+            if workers == 1:
+                value, frame = queue.popleft()
+                self.table.apply(slot, value, merged_owned=False, frame=frame)
+            else:  # rank order: deterministic sums
+                self.table.apply(slot, _sum([queued[rank].popleft()[0] for rank in range(workers)]), merged_owned=True)
             rounds.applied += 1
-        ready = [pull for pull in rounds.waiting_pulls if pull[0] <= rounds.applied]
-        rounds.waiting_pulls = [pull for pull in rounds.waiting_pulls if pull[0] > rounds.applied]
-        for _, peer, request in ready:
-            self._send_value(slot, peer, request)
+        if rounds.waiting_pulls:
+            ready = [pull for pull in rounds.waiting_pulls if pull[0] <= rounds.applied]
+            rounds.waiting_pulls = [pull for pull in rounds.waiting_pulls if pull[0] > rounds.applied]
+            for _, peer, request in ready:
+                self._send_value(slot, peer, request)
 
     def _answer_pull(self, slot_id: SlotId, slot: Slot, peer: bytes, request: Header) -> None:
         rounds = self.rounds.get(slot_id) if self.options.sync else None

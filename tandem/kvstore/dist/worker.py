@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -86,18 +87,12 @@ class DistKVStore(KVStore):
         """One request per slice of every (key, value to send, tensors receiving the result) item."""
         self._check_usable()
         plans = [(key, value, targets, self._plan(key, value.numel())) for key, value, targets in items]
-        finishers: list[Callable[[], None]] = []
-
-        def finish_all() -> None:
-            for finish in finishers:
-                finish()
-
-        handle = Handle(what, sum(len(slices) for *_, slices in plans), finish_all, self._client.drive)
-        for key, value, targets, slices in plans:
-            flat = value.reshape(-1)
-            receive, finish = _receiver(targets, value) if targets else (None, None)
-            if finish is not None:
-                finishers.append(finish)
+        receivers = [_receiver(targets, value) if targets else (None, None) for _, value, targets, _ in plans]
+        finishers = [finish for _, finish in receivers if finish is not None]
+        parts = sum(len(slices) for *_, slices in plans)
+        handle = Handle(what, parts, partial(_run_all, finishers) if finishers else None, self._client.drive)
+        for (key, value, _, slices), (receive, _) in zip(plans, receivers):
+            flat = value if value.dim() == 1 else value.reshape(-1)
             for part in slices:
                 payloads = [] if command is Command.PULL else [tensor_bytes(_part(flat, part))]
                 on_reply = _Reply(handle, receive, part, value.dtype)
@@ -218,6 +213,11 @@ def _remember(cache: dict[Any, T], key: Any, make: Callable[[], T]) -> T:
             cache.clear()
         value = cache[key] = make()
     return value
+
+
+def _run_all(functions: list[Callable[[], None]]) -> None:
+    for function in functions:
+        function()
 
 
 def _receiver(
