@@ -26,6 +26,11 @@ def test_server_side_optimizer_equals_local_update(kind: str) -> None:
     assert len(worker_lines(result.stdout, "optimizer OK")) == 2, result.stdout
 
 
+def test_pulls_answered_under_an_optimizer_are_snapshots() -> None:
+    result = run_job("snapshot.py", 2, 1)
+    assert len(worker_lines(result.stdout, "snapshot OK")) == 2, result.stdout
+
+
 def test_two_workers_on_half_batches_equal_one_process_on_the_whole() -> None:
     result = run_job("exactness.py", 2, 2)
     assert len(worker_lines(result.stdout, "exactness OK")) == 2, result.stdout

@@ -10,7 +10,7 @@ import zmq
 
 from tandem.kvstore.dist import transport
 from tandem.kvstore.dist.protocol import Command, Header, Role, decode, tensor_bytes, tensor_from_bytes
-from tandem.kvstore.dist.transport import ZERO_COPY_BYTES, WorkerTransport
+from tandem.kvstore.dist.transport import ZERO_COPY_BYTES, WorkerTransport, snapshot_frame
 
 PUSH = Header(Command.PUSH, 0, Role.WORKER, 0, key="k")
 
@@ -49,3 +49,10 @@ def test_read_only_payloads_are_copied(connection: tuple[zmq.Socket, WorkerTrans
     worker.send(0, PUSH, [payload], request_id=1)
     _, *frames = router.recv_multipart()
     assert decode(frames).payloads[0] == payload
+
+
+def test_a_snapshot_frame_keeps_the_bytes_of_when_it_was_made() -> None:
+    value = torch.zeros(40_000)  # 160 KB: above pyzmq's COPY_THRESHOLD, where a plain Frame shares the buffer
+    frame = snapshot_frame(value)
+    value.add_(1.0)  # what a server's in-place optimizer update does to a slot
+    assert torch.equal(torch.frombuffer(bytearray(frame.bytes), dtype=torch.float32), torch.zeros(40_000))

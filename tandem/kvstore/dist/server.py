@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import zmq
 
 from tandem.kvstore.dist.protocol import (
     Command,
@@ -43,7 +42,7 @@ from tandem.kvstore.dist.topology import (
     public_endpoint,
     publish_server,
 )
-from tandem.kvstore.dist.transport import Incoming, ServerTransport
+from tandem.kvstore.dist.transport import Incoming, ServerTransport, snapshot_frame
 from tandem.kvstore.errors import PeerFailure, ProtocolError, RemoteError
 from tandem.kvstore.slots import Slot, SlotId, SlotTable
 
@@ -353,10 +352,10 @@ class Server:
             self._send_taken(self._slot_id(request), peer, request)
             return
         if self.table.optimizer is not None:
-            # updated in place by the next round: send a copy. Sending the tensor itself meant tracking
-            # the send (a wake-up of pyzmq's collector thread per reply) and the update waiting for it;
-            # the copy is simpler and measured no slower (docs/distributed.md)
-            self._reply(peer, request, [zmq.Frame(tensor_bytes(slot.value))])
+            # updated in place by the next round: send a copy (copy=True: pyzmq's default shares
+            # buffers from 64 KB up, and the reply could then carry the next round's values). A copy
+            # also spares the wake-up of pyzmq's collector thread that a shared buffer costs per reply
+            self._reply(peer, request, [snapshot_frame(slot.value)])
             return
         value = slot.frame if slot.frame is not None else tensor_bytes(slot.value)  # a frame is sent on, uncopied
         self._reply(peer, request, [value])

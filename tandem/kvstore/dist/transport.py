@@ -35,10 +35,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import torch
 import zmq
 from zmq.backend.cython import _zmq as pyzmq_backend
 
-from tandem.kvstore.dist.protocol import Header, Message, attach, decode, decode_header, encode_header, encode_reply
+from tandem.kvstore.dist.protocol import (
+    Header,
+    Message,
+    attach,
+    decode,
+    decode_header,
+    encode_header,
+    encode_reply,
+    tensor_bytes,
+)
 from tandem.kvstore.errors import ProtocolError
 
 ZERO_COPY_BYTES = 64 * 1024
@@ -280,6 +290,16 @@ def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], const: bool = Fa
             _send_const(socket, payload, flags)
         else:  # pyzmq keeps the payload alive until ZeroMQ is done with it
             socket.send(payload, flags, copy=False)
+
+
+def snapshot_frame(tensor: torch.Tensor) -> zmq.Frame:
+    """A frame holding a copy of ``tensor``'s bytes now, for sending memory that will change later.
+
+    ``copy=True`` matters: pyzmq's default shares any buffer of 64 KB or more (``zmq.COPY_THRESHOLD``)
+    and keeps it alive through its garbage-collector thread, so a later in-place write would reach
+    the wire.
+    """
+    return zmq.Frame(tensor_bytes(tensor), copy=True)
 
 
 def _send_const(socket: zmq.Socket, payload: memoryview, flags: int) -> None:
