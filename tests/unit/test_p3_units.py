@@ -125,8 +125,22 @@ def test_tuner_with_fixed_slicing_tunes_only_the_water_mark() -> None:
     assert result == (40_000, 20, False)
 
 
-def test_flat_costs_keep_the_start() -> None:
-    assert _run_search(lambda config: 1.0).result == (40_000, 10, False)
+def test_flat_costs_choose_the_biggest_slices_and_keep_the_water_mark() -> None:
+    """Equal iteration times: fewer requests is the cheaper choice; the water mark has no such order."""
+    assert _run_search(lambda config: 1.0).result == (SLICE_SIZES[-1], 10, False)
+
+
+def test_ties_cannot_drift_from_the_best_cost() -> None:
+    """Each bigger slice 2 % slower than the last: within the 3 % tolerance of the previous one,
+    but only the first is within it of the best."""
+    result = _run_search(lambda config: 1.0 + 0.02 * max(0, SLICE_SIZES.index(config.slice_size) - 3)).result
+    assert result is not None and result.slice_size == 80_000
+
+
+def test_a_tie_going_up_still_looks_down_for_a_real_improvement() -> None:
+    slice_cost = {5_000: 0.95, 10_000: 0.8, 20_000: 0.9, 40_000: 1.0, 80_000: 1.01, 160_000: 1.3, 320_000: 1.3}
+    result = _run_search(lambda config: slice_cost[config.slice_size] + abs(config.water_mark - 10) / 100).result
+    assert result == (10_000, 10, False)
 
 
 def test_done_callbacks_run_once_on_success_failure_or_at_once() -> None:

@@ -5,8 +5,9 @@ samples to fit a model. Here the objective is cheap to read directly (the store 
 so the time between two pushes of the same key *is* the iteration time, compute overlap included)
 and every knob is a small ordered grid with a single broad optimum, so a coordinate search is
 enough: measure the start point; walk the slice-size grid up while iteration time improves by more
-than ``tolerance`` (going on past one point that does not: scores are noisy), else down; then the
-same for the water mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations
+than ``tolerance`` or stays within it (going on past one point that does not: scores are noisy;
+ties go to bigger slices, which send fewer requests), else down; then the same for the water
+mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations
 and scores the median of all but the first (which still carries traffic of the previous point).
 Typically 6-9 points, i.e. 25-40 iterations, then fixed.
 
@@ -43,29 +44,38 @@ WATER_MARKS = (1, 2, 4, 10, 20, 40)
 DEFAULT_SLICE_SIZE = 40_000  # MXNet's MXNET_KVSTORE_SLICE_THRESHOLD: where the search starts
 
 
-def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], tolerance: float,
-                      patience: int = 1) -> Generator[tuple[int, ...], float, tuple[int, ...]]:  # fmt: skip
+def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], tolerance: float, patience: int = 1,
+                      ties_up: Sequence[bool] = ()) -> Generator[tuple[int, ...], float, tuple[int, ...]]:  # fmt: skip
     """Yields points to measure, receives their cost, returns the best point; one pass per axis.
 
     Along an axis the walk goes on past up to ``patience`` points in a row that do not improve:
     measured costs are noisy, and one unlucky score must not end a walk toward a much better point.
+
+    ``ties_up[axis]``: along that axis a higher point costs less outside the measured time (P3's
+    bigger slices: fewer requests, less CPU left to everything else on the machine), so going up
+    it is taken on a tie too, i.e. when no worse than the best cost seen by more than
+    ``tolerance``. The best cost stays the lowest measured, so ties cannot drift away from it.
+    A walk up on ties only still looks down for a real improvement.
     """
     best = list(start)
     best_cost = yield tuple(axis[index] for axis, index in zip(axes, best))
     for axis in range(len(axes)):
+        origin = best[axis]
         for step in (1, -1):
-            moved, misses = False, 0
-            index = best[axis] + step
+            improved, misses = False, 0
+            index = (best[axis] if step == 1 else origin) + step
             while 0 <= index < len(axes[axis]) and misses <= patience:
                 trial = best.copy()
                 trial[axis] = index
                 cost = yield tuple(grid[i] for grid, i in zip(axes, trial))
-                if cost < best_cost * (1 - tolerance):
-                    best, best_cost, moved, misses = trial, cost, True, 0
+                tie = step == 1 and axis < len(ties_up) and ties_up[axis] and cost <= best_cost * (1 + tolerance)
+                if cost < best_cost * (1 - tolerance) or tie:
+                    improved = improved or cost < best_cost * (1 - tolerance)
+                    best, best_cost, misses = trial, min(cost, best_cost), 0
                 else:
                     misses += 1
                 index += step
-            if moved:
+            if improved:
                 break  # improved going up: no need to look down
     return tuple(axis[index] for axis, index in zip(axes, best))
 
@@ -160,7 +170,8 @@ class AutoTuner:
             axes = (self.timings, self.slice_sizes, self.water_marks)  # timing first: the best slicing depends on it
             start = (self.timings.index(self.start.after_backward), self.slice_sizes.index(self.start.slice_size),
                      self.water_marks.index(self.start.water_mark))  # fmt: skip
-            self._search = coordinate_search(axes, start, self.tolerance)
+            # ties go to bigger slices: as fast, and fewer requests (on a fast link, less CPU)
+            self._search = coordinate_search(axes, start, self.tolerance, ties_up=(False, True, False))
             self._switch(next(self._search))
             return
         self._samples.append(seconds)
