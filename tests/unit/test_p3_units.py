@@ -130,6 +130,23 @@ def test_flat_costs_choose_the_biggest_slices_and_keep_the_water_mark() -> None:
     assert _run_search(lambda config: 1.0).result == (SLICE_SIZES[-1], 10, False)
 
 
+def test_short_iterations_are_scored_over_the_minimum_trial_time() -> None:
+    """50 ms iterations: each point runs 11 (one discarded, ten scored = 0.5 s), not 4."""
+
+    def iterations_per_point(min_trial_seconds: float) -> float:
+        iterations = [0]
+
+        def cost(config: Config) -> float:
+            iterations[0] += 1
+            return 0.05
+
+        tuner = _run_search(cost, min_trial_seconds=min_trial_seconds)
+        return (iterations[0] - tuner.warmup) / len(tuner.history)
+
+    assert iterations_per_point(0.5) >= 11
+    assert iterations_per_point(0.0) <= 4.2
+
+
 def test_ties_cannot_drift_from_the_best_cost() -> None:
     """Each bigger slice 2 % slower than the last: within the 3 % tolerance of the previous one,
     but only the first is within it of the best."""

@@ -7,9 +7,11 @@ and every knob is a small ordered grid with a single broad optimum, so a coordin
 enough: measure the start point; walk the slice-size grid up while iteration time improves by more
 than ``tolerance`` or stays within it (going on past one point that does not: scores are noisy;
 ties go to bigger slices, which send fewer requests), else down; then the same for the water
-mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations
-and scores the median of all but the first (which still carries traffic of the previous point).
-Typically 6-9 points, i.e. 25-40 iterations, then fixed.
+mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations, and more where
+they are short (at least ``min_trial_seconds`` of them scored: on a loaded machine a 50 ms
+iteration varies by more than the tolerance), and scores the median of all but the first (which
+still carries traffic of the previous point). Typically 6-9 points, i.e. 25-40 iterations of
+150 ms or more, then fixed.
 
 A trainer may also let it choose *when* gradients leave (``tune_send_timing``): during backward,
 as each segment ends (P3's point: overlap), or all at once after backward. Overlap only pays
@@ -95,6 +97,7 @@ class AutoTuner:
     timings: tuple[bool, ...] = (False,)  # after_backward candidates; see tune_send_timing
     start: Config = Config(DEFAULT_SLICE_SIZE, 10)
     steps_per_trial: int = 4
+    min_trial_seconds: float = 0.5  # short iterations are noisy: a point is scored over at least this much time
     warmup: int = (
         6  # the first iterations run slow (allocations, caches): they must not score the start point
     )
@@ -175,7 +178,7 @@ class AutoTuner:
             self._switch(next(self._search))
             return
         self._samples.append(seconds)
-        if len(self._samples) < self.steps_per_trial:
+        if len(self._samples) < self.steps_per_trial or sum(self._samples[1:]) < self.min_trial_seconds:
             return
         cost = self.agree(statistics.median(self._samples[1:]))
         self.history.append((self.current, cost))
