@@ -147,6 +147,24 @@ def test_short_iterations_are_scored_over_the_minimum_trial_time() -> None:
     assert iterations_per_point(0.0) <= 4.2
 
 
+def test_workers_with_different_paces_switch_at_the_same_iterations() -> None:
+    """A sync job's workers must change slicing together: the trial length comes from the agreed pace."""
+
+    def switch_iterations(seconds_per_iteration: float) -> list[int]:
+        switches: list[int] = []
+        iteration = [0]
+        clock = [0.0]
+        tuner = AutoTuner(lambda config: switches.append(iteration[0]), lambda seconds: 0.065,  # the agreed mean
+                          clock=lambda: clock[0])  # fmt: skip
+        while tuner.result is None and iteration[0] < 1000:
+            iteration[0] += 1
+            tuner.observe("first key")
+            clock[0] += seconds_per_iteration
+        return switches
+
+    assert switch_iterations(0.05) == switch_iterations(0.08)
+
+
 def test_ties_cannot_drift_from_the_best_cost() -> None:
     """Each bigger slice 2 % slower than the last: within the 3 % tolerance of the previous one,
     but only the first is within it of the best."""

@@ -8,9 +8,9 @@ enough: measure the start point; walk the slice-size grid up while iteration tim
 than ``tolerance`` or stays within it (going on past one point that does not: scores are noisy;
 ties go to bigger slices, which send fewer requests), else down; then the same for the water
 mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations, and more where
-they are short (at least ``min_trial_seconds`` of them scored: on a loaded machine a 50 ms
-iteration varies by more than the tolerance), and scores the median of all but the first (which
-still carries traffic of the previous point). Typically 6-9 points, i.e. 25-40 iterations of
+they are short (enough for ``min_trial_seconds`` at the warm-up's pace, agreed over workers: on
+a loaded machine a 50 ms iteration varies by more than the tolerance), and scores the median of
+all but the first (which still carries traffic of the previous point). Typically 6-9 points, i.e. 25-40 iterations of
 150 ms or more, then fixed.
 
 A trainer may also let it choose *when* gradients leave (``tune_send_timing``): during backward,
@@ -27,6 +27,7 @@ only it is searched, each worker scores its own iterations.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -97,7 +98,7 @@ class AutoTuner:
     timings: tuple[bool, ...] = (False,)  # after_backward candidates; see tune_send_timing
     start: Config = Config(DEFAULT_SLICE_SIZE, 10)
     steps_per_trial: int = 4
-    min_trial_seconds: float = 0.5  # short iterations are noisy: a point is scored over at least this much time
+    min_trial_seconds: float = 0.5  # short iterations are noisy: points run ~this long (from the warm-up's pace)
     warmup: int = (
         6  # the first iterations run slow (allocations, caches): they must not score the start point
     )
@@ -109,6 +110,7 @@ class AutoTuner:
     _last: float | None = None
     _seen: int = 0
     _samples: list[float] = field(default_factory=list)
+    _trial_steps: int = 0  # set when the search starts (see _iteration_done)
     _search: Generator[tuple[int, ...], float, tuple[int, ...]] | None = None
     _current: Config | None = None
 
@@ -168,8 +170,14 @@ class AutoTuner:
     def _iteration_done(self, seconds: float) -> None:
         self._seen += 1
         if self._seen < self.warmup:
+            self._samples.append(seconds)
             return
         if self._search is None:
+            # iterations per point, fixed for the whole search and agreed, so that every worker of a
+            # sync job switches at the same iteration (each one's own clock would tell them apart)
+            typical = self.agree(statistics.median(self._samples[1:] or [seconds]))
+            self._trial_steps = max(self.steps_per_trial, 1 + math.ceil(self.min_trial_seconds / max(typical, 1e-6)))
+            self._samples = []
             axes = (self.timings, self.slice_sizes, self.water_marks)  # timing first: the best slicing depends on it
             start = (self.timings.index(self.start.after_backward), self.slice_sizes.index(self.start.slice_size),
                      self.water_marks.index(self.start.water_mark))  # fmt: skip
@@ -178,7 +186,7 @@ class AutoTuner:
             self._switch(next(self._search))
             return
         self._samples.append(seconds)
-        if len(self._samples) < self.steps_per_trial or sum(self._samples[1:]) < self.min_trial_seconds:
+        if len(self._samples) < self._trial_steps:
             return
         cost = self.agree(statistics.median(self._samples[1:]))
         self.history.append((self.current, cost))
