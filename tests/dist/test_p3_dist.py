@@ -187,6 +187,7 @@ def _priority(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-unty
 def _auto(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     sizes = {"a": 50_000, "b": 30_000, "c": 10}
     kv.init(list(sizes), [torch.zeros(size) for size in sizes.values()])
+    kv.tuner.min_trial_seconds = 0.0  # millisecond steps: points of 4 steps, so that it settles within the test
     for step in range(100):
         values = [torch.arange(float(size)) * (rank + 1) + step for size in sizes.values()]
         outs = [torch.empty(size) for size in sizes.values()]
@@ -214,7 +215,7 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
     values = {key: torch.linspace(-1, 1, torch.Size(shape).numel()).reshape(shape) for key, shape in shapes.items()}
     kv.init(list(shapes), list(values.values()))
     kv.set_optimizer(make())
-    kv.tuner.warmup, kv.tuner.steps_per_trial = 1, 2  # switch often: every switch moves every key
+    kv.tuner.warmup, kv.tuner.steps_per_trial, kv.tuner.min_trial_seconds = 1, 2, 0.0  # switch often: every switch moves every key
     p3_reslice.BATCH_ELEMENTS = 60_000  # and in batches: worker 0's keys "a" and "c" move one after the other
     reference, states = make(), {key: make().create_state(value.reshape(-1)) for key, value in values.items()}
     expected = {key: value.reshape(-1).clone() for key, value in values.items()}

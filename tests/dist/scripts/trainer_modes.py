@@ -26,7 +26,7 @@ trainer = tandem.Trainer(module, entry.loss_fn, optim.SGD(lr=0.1, momentum=0.9),
                          update_on_kvstore=update_on_kvstore == "1", bulk_fwd=3, bulk_bwd=2)
 if after_backward == "auto":
     tuner = trainer.kvstore.tuner  # type: ignore[union-attr]
-    tuner.warmup, tuner.steps_per_trial = 1, 2
+    tuner.warmup, tuner.steps_per_trial, tuner.min_trial_seconds = 1, 2, 0.0
 else:
     trainer.kvstore.send_after_backward = after_backward == "after"  # type: ignore[union-attr]
 rank, workers = trainer.rank, trainer.num_workers
