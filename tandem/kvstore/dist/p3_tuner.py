@@ -10,8 +10,8 @@ ties go to bigger slices, which send fewer requests), else down; then the same f
 mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations, and more where
 they are short (enough for ``min_trial_seconds`` at the warm-up's pace, agreed over workers: on
 a loaded machine a 50 ms iteration varies by more than the tolerance), and scores the median of
-all but the first (which still carries traffic of the previous point). Typically 6-9 points, i.e. 25-40 iterations of
-150 ms or more, then fixed.
+all but the first (which still carries traffic of the previous point). Typically 6-9 points,
+i.e. 25-40 iterations of 150 ms or more, then fixed.
 
 A trainer may also let it choose *when* gradients leave (``tune_send_timing``): during backward,
 as each segment ends (P3's point: overlap), or all at once after backward. Overlap only pays
@@ -71,9 +71,10 @@ def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], toler
                 trial = best.copy()
                 trial[axis] = index
                 cost = yield tuple(grid[i] for grid, i in zip(axes, trial))
+                better = cost < best_cost * (1 - tolerance)
                 tie = step == 1 and axis < len(ties_up) and ties_up[axis] and cost <= best_cost * (1 + tolerance)
-                if cost < best_cost * (1 - tolerance) or tie:
-                    improved = improved or cost < best_cost * (1 - tolerance)
+                if better or tie:
+                    improved = improved or better
                     best, best_cost, misses = trial, min(cost, best_cost), 0
                 else:
                     misses += 1

@@ -196,15 +196,10 @@ def encode_header(header: Header, secret: bytes = b"", payload_count: int | None
     packed = header.__dict__.get("_packed")  # frozen: the cache lives in the instance dict
     if packed is None or packed[0] != count or packed[1] != nbytes:
         flags = (_RESPONSE if header.response else 0) | (_ERROR if header.error else 0) | (_RECEIPT if header.receipt else 0)
-        body = _pack(header.command, flags, 0, 0.0, header.sender_role, header.sender_rank, header.priority, header.key,
-                     header.dtype, header.shape, header.slice_start, header.slice_stop, count, nbytes, b"")  # fmt: skip
+        body = _pack(header.command, flags, header.sender_role, header.sender_rank, header.priority, header.key,
+                     header.dtype, header.shape, header.slice_start, header.slice_stop, count, nbytes)  # fmt: skip
         packed = header.__dict__["_packed"] = (count, nbytes, body)
-    frame = bytearray(packed[2])
-    _ID_AND_TIME.pack_into(frame, _ID_OFFSET, header.request_id if request_id is None else request_id, header.timestamp)
-    if not secret:
-        return bytes(frame)
-    frame[_FLAGS_OFFSET] |= _SIGNED
-    return bytes(frame) + hmac.digest(secret, frame, hashlib.sha256)
+    return _stamp(packed[2], header.request_id if request_id is None else request_id, header.timestamp, secret)
 
 
 def encode_reply(request: Header, rank: int, secret: bytes, payload_count: int = 0, payload_nbytes: int = 0,
@@ -212,43 +207,46 @@ def encode_reply(request: Header, rank: int, secret: bytes, payload_count: int =
     """A server's response header to ``request`` (same command, id, key and slice) in one step.
 
     Equivalent to ``encode_header(request.reply(Role.SERVER, rank, error=error), ...)`` without
-    building the intermediate Header: a server writes one per request. Unsigned replies to a
-    header decoded before are packed once and kept (``decode_header``); only id and time change.
+    building the intermediate Header: a server writes one per request. Replies to a header
+    decoded from an unsigned frame are packed once and kept (``decode_header``).
     """
-    replies = None if secret else request.__dict__.get("_replies")
-    if replies is None:
-        return _pack(
-            request.command, _RESPONSE | (_ERROR if error else 0), request.request_id, time.time(), Role.SERVER,
-            rank, request.priority, request.key, request.dtype, request.shape, request.slice_start,
-            request.slice_stop, payload_count, payload_nbytes, secret,
-        )  # fmt: skip
+    replies = request.__dict__.get("_replies")
     shape = (rank, payload_count, payload_nbytes, error)
-    body = replies.get(shape)
+    body = None if replies is None else replies.get(shape)
     if body is None:
-        if len(replies) >= _REPLIES_LIMIT:
-            replies.clear()
-        body = replies[shape] = _pack(
-            request.command, _RESPONSE | (_ERROR if error else 0), 0, 0.0, Role.SERVER, rank, request.priority,
-            request.key, request.dtype, request.shape, request.slice_start, request.slice_stop, payload_count,
-            payload_nbytes, b"",
-        )  # fmt: skip
-    return body[:_ID_OFFSET] + _ID_AND_TIME.pack(request.request_id, time.time()) + body[_TIME_END:]
+        body = _pack(request.command, _RESPONSE | (_ERROR if error else 0), Role.SERVER, rank, request.priority,
+                     request.key, request.dtype, request.shape, request.slice_start, request.slice_stop,
+                     payload_count, payload_nbytes)  # fmt: skip
+        if replies is not None:
+            if len(replies) >= _REPLIES_LIMIT:
+                replies.clear()
+            replies[shape] = body
+    return _stamp(body, request.request_id, time.time(), secret)
 
 
-def _pack(command: int, flags: int, request_id: int, timestamp: float, role: int, rank: int, priority: int,
-          key: Key | None, dtype: torch.dtype | None, shape: tuple[int, ...], start: int, stop: int,
-          payload_count: int, payload_nbytes: int, secret: bytes) -> bytes:  # fmt: skip
+def _stamp(body: bytes, request_id: int, timestamp: float, secret: bytes) -> bytes:
+    """A packed header body with its request id and timestamp written in; signed when ``secret`` is set."""
+    frame = bytearray(body)
+    _ID_AND_TIME.pack_into(frame, _ID_OFFSET, request_id, timestamp)
+    if not secret:
+        return bytes(frame)
+    frame[_FLAGS_OFFSET] |= _SIGNED
+    return bytes(frame) + hmac.digest(secret, frame, hashlib.sha256)
+
+
+def _pack(command: int, flags: int, role: int, rank: int, priority: int, key: Key | None,
+          dtype: torch.dtype | None, shape: tuple[int, ...], start: int, stop: int, payload_count: int,
+          payload_nbytes: int) -> bytes:  # fmt: skip
+    """A header body with request id and timestamp zero and no signature (``_stamp`` writes those)."""
     key_kind, key_bytes = _encode_key(key)
-    body = b"".join((
+    return b"".join((
         FIXED.pack(
-            MAGIC, VERSION, command, flags | (_SIGNED if secret else 0), request_id, timestamp, role, rank,
-            priority, key_kind, len(key_bytes), 0 if dtype is None else DTYPE_CODES[dtype], len(shape), start,
-            stop, payload_count, payload_nbytes,
+            MAGIC, VERSION, command, flags, 0, 0.0, role, rank, priority, key_kind, len(key_bytes),
+            0 if dtype is None else DTYPE_CODES[dtype], len(shape), start, stop, payload_count, payload_nbytes,
         ),
         _shape_struct(len(shape)).pack(*shape),
         key_bytes,
     ))  # fmt: skip
-    return body + hmac.digest(secret, body, hashlib.sha256) if secret else body
 
 
 _SHAPE_STRUCTS = [struct.Struct(f"<{ndim}q") for ndim in range(MAX_NDIM + 1)]
@@ -319,23 +317,24 @@ def decode_header(frame: bytes, secret: bytes = b"") -> Header:
     (A signed frame is verified every time: its MAC covers the id.) Decoded headers share a small
     cache of packed replies (``encode_reply``).
     """
-    if not secret:
-        known = _DECODED.get(frame[:_ID_OFFSET] + frame[_TIME_END:])
-        if known is not None:
-            request_id, timestamp = _ID_AND_TIME.unpack_from(frame, _ID_OFFSET)
-            if not math.isfinite(timestamp):
-                raise ProtocolError("timestamp is not finite")
-            header = _new_header(Header)
-            fields = header.__dict__
-            fields.update(known.__dict__)
-            fields["request_id"], fields["timestamp"] = request_id, timestamp
-            return header
+    if secret:
+        return _parse_header(frame, secret)
+    unstamped = frame[:_ID_OFFSET] + frame[_TIME_END:]
+    known = _DECODED.get(unstamped)
+    if known is not None:
+        request_id, timestamp = _ID_AND_TIME.unpack_from(frame, _ID_OFFSET)
+        if not math.isfinite(timestamp):
+            raise ProtocolError("timestamp is not finite")
+        header = _new_header(Header)
+        fields = header.__dict__
+        fields.update(known.__dict__)
+        fields["request_id"], fields["timestamp"] = request_id, timestamp
+        return header
     header = _parse_header(frame, secret)
-    if not secret:
-        if len(_DECODED) >= _DECODED_LIMIT:
-            _DECODED.clear()
-        header.__dict__["_replies"] = {}
-        _DECODED[frame[:_ID_OFFSET] + frame[_TIME_END:]] = header
+    if len(_DECODED) >= _DECODED_LIMIT:
+        _DECODED.clear()
+    header.__dict__["_replies"] = {}
+    _DECODED[unstamped] = header
     return header
 
 

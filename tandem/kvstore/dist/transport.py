@@ -14,8 +14,9 @@ while one receiving thread (the IO thread, or a waiter it handed over to: ``Clie
 replies. So each DEALER is used only under its lock, and the receiver never blocks inside ZeroMQ:
 it waits on the socket's notification descriptor (``ZMQ_FD``) and drains under the lock. That
 descriptor is edge-triggered: a send (even a refused one) may consume the notice of a reply that
-arrived meanwhile, so a sender that finds the socket readable after trying wakes the receiver. Sends never block under the lock (``NOBLOCK``, retried until
-the send timeout; the IO thread's heartbeats are not retried).
+arrived meanwhile, so a sender that finds the socket readable after trying wakes the receiver.
+Sends never block under the lock (``NOBLOCK``, retried until the send timeout; the IO thread's
+heartbeats are not retried).
 
 Tensor payloads of at least ``ZERO_COPY_BYTES`` go out without a copy (ZeroMQ reads the tensor's
 memory directly); a pull's reply is received straight into the output tensor (``recv_into``). A
@@ -289,7 +290,7 @@ def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], const: bool = Fa
         elif const and _SEND_CONST is not None and type(payload) is memoryview and not payload.readonly:
             _send_const(socket, payload, flags)
         else:  # pyzmq keeps the payload alive until ZeroMQ is done with it
-            socket.send(payload, flags, copy=False)
+            _send(socket, payload, flags, False)
 
 
 def snapshot_frame(tensor: torch.Tensor) -> zmq.Frame:
