@@ -218,3 +218,19 @@ def test_tuner_chooses_the_send_timing_first_then_tunes_for_it() -> None:
     tuner = _run_search(cost, timings=(False, True))
     assert tuner.history[0][0] == (40_000, 10, False) and tuner.history[1][0] == (40_000, 10, True)
     assert tuner.result == (SLICE_SIZES[-1], WATER_MARKS[-1], True)
+
+
+def test_the_send_timing_is_checked_again_at_the_slicing_chosen() -> None:
+    """A CPU-bound machine: at the start's 40k slices both timings score alike, so the search keeps
+    sending during backward; at the big slices it then picks, holding gradients is clearly faster."""
+
+    def cost(config: Config) -> float:
+        bigger = SLICE_SIZES.index(config.slice_size) - SLICE_SIZES.index(40_000)
+        return 1.0 - 0.04 * bigger * (2.5 if config.after_backward else 1.0)
+
+    tuner = _run_search(cost, timings=(False, True))
+    assert tuner.history[1][0] == (40_000, 10, True)  # tried at the start, within the tolerance: kept during
+    assert tuner.result == (SLICE_SIZES[-1], 10, True)
+    assert [config for config, _ in tuner.history].count((SLICE_SIZES[-1], 10, True)) == 1  # one more point
+    water_marks = [config.water_mark for config, _ in tuner.history if config.after_backward]
+    assert len(set(water_marks)) > 1  # the water mark is tuned for the timing chosen

@@ -17,8 +17,9 @@ A trainer may also let it choose *when* gradients leave (``tune_send_timing``): 
 as each segment ends (P3's point: overlap), or all at once after backward. Overlap only pays
 where the link, not the CPU, is the bottleneck: on a fast link, sending during backward makes
 communication threads compete with backward for the cores and stretches the step. That axis is
-searched first, at the start point, and the slicing and water mark are then tuned for the timing
-chosen.
+searched first, at the start point; then the slice size, for the timing chosen; then the timing
+once more, at that slice size (on a CPU-bound machine the two timings score close at small slices
+and far apart at big ones); then the water mark, for the timing that won.
 
 Every worker must slice the same way, so each score is averaged over workers (``agree``) before
 the search takes a step: all workers then walk the same path. The water mark is per worker: when
@@ -48,8 +49,11 @@ DEFAULT_SLICE_SIZE = 40_000  # MXNet's MXNET_KVSTORE_SLICE_THRESHOLD: where the 
 
 
 def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], tolerance: float, patience: int = 1,
-                      ties_up: Sequence[bool] = ()) -> Generator[tuple[int, ...], float, tuple[int, ...]]:  # fmt: skip
+                      ties_up: Sequence[bool] = (), order: Sequence[int] = ()) -> Generator[tuple[int, ...], float, tuple[int, ...]]:  # fmt: skip
     """Yields points to measure, receives their cost, returns the best point; one pass per axis.
+
+    ``order``: the axes to walk, in turn (default: each once, in order); an axis may come again,
+    to be walked anew from where the others ended.
 
     Along an axis the walk goes on past up to ``patience`` points in a row that do not improve:
     measured costs are noisy, and one unlucky score must not end a walk toward a much better point.
@@ -62,7 +66,7 @@ def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], toler
     """
     best = list(start)
     best_cost = yield tuple(axis[index] for axis, index in zip(axes, best))
-    for axis in range(len(axes)):
+    for axis in order or range(len(axes)):
         origin = best[axis]
         for step in (1, -1):
             improved, misses = False, 0
@@ -182,8 +186,14 @@ class AutoTuner:
             axes = (self.timings, self.slice_sizes, self.water_marks)  # timing first: the best slicing depends on it
             start = (self.timings.index(self.start.after_backward), self.slice_sizes.index(self.start.slice_size),
                      self.water_marks.index(self.start.water_mark))  # fmt: skip
-            # ties go to bigger slices: as fast, and fewer requests (on a fast link, less CPU)
-            self._search = coordinate_search(axes, start, self.tolerance, ties_up=(False, True, False))
+            # ties go to bigger slices: as fast, and fewer requests (on a fast link, less CPU). The
+            # timing is walked again once the slicing is chosen: where the CPU is the bottleneck the
+            # two timings score close at the start's small slices, and far apart at the big ones
+            # chosen then (vgg unshaped, 320k slices: 48-51 ms per step during backward, 43-46 ms
+            # after); the water mark comes last, for the timing chosen (holding sends every
+            # gradient at once, so the cap matters more)
+            self._search = coordinate_search(axes, start, self.tolerance, ties_up=(False, True, False),
+                                             order=(0, 1, 0, 2) if len(self.timings) > 1 else ())  # fmt: skip
             self._switch(next(self._search))
             return
         self._samples.append(seconds)
