@@ -143,6 +143,7 @@ def ddp_job(model: str, rank: int, master: str, port: int, runs: int, steps: int
         optimizer.step()
 
     _report(rank=rank, **_timed_runs({"seconds": (step, lambda: None)}, runs, steps))
+    dist.barrier()  # neither rank tears its connections down while the other still uses them
     dist.destroy_process_group()
 
 
@@ -196,9 +197,15 @@ def run_ddp(model: str, rate: str, runs: int, steps: int) -> float:
                      for rank, host in enumerate(net.hosts)]  # fmt: skip
         outputs = [process.communicate(timeout=JOB_TIMEOUT)[0] for process in processes]
     output = "\n".join(outputs)
+    reports = _results(output)
     if any(process.returncode for process in processes):
-        raise RuntimeError(f"ddp on {model} at {rate} failed:\n{output[-4000:]}")
-    return _step_seconds(_results(output), f"ddp on {model} at {rate}", output)
+        if len(reports) < WORKERS:
+            raise RuntimeError(f"ddp on {model} at {rate} failed:\n{output[-4000:]}")
+        # every rank measured and reported: a crash after that is gloo's teardown (seen once in a
+        # namespace: "terminate called without an active exception"), not part of the measurement
+        print(f"warning: ddp on {model} at {rate} exited nonzero after reporting; its output ends:\n"
+              f"{output[-1500:]}", file=sys.stderr)  # fmt: skip
+    return _step_seconds(reports, f"ddp on {model} at {rate}", output)
 
 
 def _mode_env(mode: str) -> dict[str, str]:
