@@ -50,7 +50,7 @@ DEFAULT_SLICE_SIZE = 40_000  # MXNet's MXNET_KVSTORE_SLICE_THRESHOLD: where the 
 
 def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], tolerance: float, patience: int = 1,
                       ties_up: Sequence[bool] = (), order: Sequence[int] = ()) -> Generator[tuple[int, ...], float, tuple[int, ...]]:  # fmt: skip
-    """Yields points to measure, receives their cost, returns the best point; one pass per axis.
+    """Yields points to measure, receives their cost, returns the best point; one pass per axis (see ``order``).
 
     ``order``: the axes to walk, in turn (default: each once, in order); an axis may come again,
     to be walked anew from where the others ended.
