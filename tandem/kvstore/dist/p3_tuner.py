@@ -10,8 +10,8 @@ ties go to bigger slices, which send fewer requests), else down; then the same f
 mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations, and more where
 they are short (enough for ``min_trial_seconds`` at the warm-up's pace, agreed over workers: on
 a loaded machine a 50 ms iteration varies by more than the tolerance), and scores the median of
-all but the first (which still carries traffic of the previous point). Typically 6-9 points,
-i.e. 25-40 iterations of 150 ms or more, then fixed.
+all but the first (which still carries traffic of the previous point). Typically 8-12 points (the
+send timing adds two), i.e. 90-140 iterations of 50 ms or 40-55 of 300 ms, then fixed.
 
 A trainer may also let it choose *when* gradients leave (``tune_send_timing``): during backward,
 as each segment ends (P3's point: overlap), or all at once after backward. Overlap only pays
