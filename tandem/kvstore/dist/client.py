@@ -12,7 +12,7 @@ sockets and sleeps until nobody has driven for ``HANDBACK_SECONDS`` (at once if 
 requests pending). Why: with the IO thread receiving, every awaited reply crossed two sleeping
 threads (the IO thread woke, then woke the waiter): 8-18 % of a 4 KB push+pull's wall time, 3-30 %
 at 1 MB (docs/distributed.md). Only one thread receives at any time (the hand-over is
-synchronous), so the transport's notification descriptor and wake-up socket are never polled
+synchronous), so the transport's notification descriptor and wake-up pipe are never polled
 from two threads.
 
 Failure: a server silent for ``timeout`` seconds, or an ABORT from a server, fails every pending

@@ -30,6 +30,8 @@ objects or a ``ProtocolError``.
 from __future__ import annotations
 
 import ctypes
+import os
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -162,18 +164,18 @@ class WorkerTransport(_Endpoint):
         self.sockets = [self._dealer(endpoint, identity, send_timeout) for endpoint in endpoints]
         self._locks = [threading.Lock() for _ in self.sockets]
         self._send_timeout = send_timeout
-        wake_address = f"inproc://wake-{id(self)}"
-        self._wake_in = self.context.socket(zmq.PULL)
-        self._wake_in.bind(wake_address)
-        self._wake_out = self.context.socket(zmq.PUSH)
-        self._wake_out.connect(wake_address)
-        self._wake_lock = threading.Lock()
+        # a pipe, not an inproc socket, wakes the receiver: a write and a read are one system call
+        # each, where a ZeroMQ wake-up took a locked send and a drain (a few percent of a 4 KB op)
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._wake_lock = threading.Lock()  # a wake-up never writes to the pipe after close (its number may be reused)
         self._backlog = False  # the last poll stopped at MAX_BATCH: the descriptors will not signal it again
         self._first = 0  # the socket drained first
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_in, zmq.POLLIN)
+        self._poller = select.poll()  # plain descriptors only, so the C poll serves (zmq.Poller wraps zmq_poll)
+        self._poller.register(self._wake_read, select.POLLIN)
         for socket in self.sockets:  # the descriptors, not the sockets: polling a socket would use it unlocked
-            self._poller.register(cast(int, socket.get(zmq.FD)), zmq.POLLIN)
+            self._poller.register(cast(int, socket.get(zmq.FD)), select.POLLIN)
 
     def _dealer(self, endpoint: str, identity: bytes, send_timeout: float) -> zmq.Socket:
         socket = self.context.socket(zmq.DEALER)
@@ -186,9 +188,11 @@ class WorkerTransport(_Endpoint):
     def wake(self) -> None:
         """Interrupt a ``poll`` (in the receiving thread). Thread safe; never blocks (a wake already queued will do)."""
         with self._wake_lock:
+            if self._wake_write < 0:  # closed
+                return
             try:
-                self._wake_out.send(b"", NOBLOCK)
-            except zmq.Again:
+                os.write(self._wake_write, b"w")
+            except BlockingIOError:  # the pipe is full of wake-ups already
                 pass
 
     def send(self, server: int, header: Header, payloads: Sequence[Any] = (), request_id: int | None = None,
@@ -223,6 +227,13 @@ class WorkerTransport(_Endpoint):
                 raise zmq.Again()
             time.sleep(0.001)  # the server is not reading: back off without holding the lock
 
+    def close(self) -> None:
+        super().close()
+        with self._wake_lock:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._wake_write = -1
+
     def poll(self, timeout: float, landing: Landing | None = None) -> list[Incoming]:
         """The receiving thread only: replies and notices arriving within ``timeout`` seconds (or until ``wake``).
 
@@ -230,10 +241,9 @@ class WorkerTransport(_Endpoint):
         straight into it, saving a copy and the allocation of a big frame.
         """
         received: list[Incoming] = []
-        for socket, _ in self._poller.poll(0 if self._backlog else int(max(timeout, 0) * 1000)):
-            if socket is self._wake_in:
-                while _drain_one(self._wake_in):
-                    pass
+        for descriptor, _ in self._poller.poll(0 if self._backlog else int(max(timeout, 0) * 1000)):
+            if descriptor == self._wake_read:
+                _drain_pipe(self._wake_read)
         self._backlog = False
         start = self._first = (self._first + 1) % len(self.sockets)  # a backlog must not favour server 0
         for server in [*range(start, len(self.sockets)), *range(start)]:  # every one: a sender may have consumed its notice
@@ -326,9 +336,10 @@ def payload_size(payloads: Sequence[Any]) -> int:
     return sum(_nbytes(payload) for payload in payloads)
 
 
-def _drain_one(socket: zmq.Socket) -> bool:
-    """Take one message if one waits (asking first: a refused recv costs an exception, ~15 us)."""
-    if not _readable(socket):
-        return False
-    socket.recv(NOBLOCK)
-    return True
+def _drain_pipe(descriptor: int) -> None:
+    """Read every wake-up queued in a non-blocking pipe."""
+    try:
+        while len(os.read(descriptor, 4096)) == 4096:
+            pass
+    except OSError:  # empty after all (another wake-up raced the poll), or closed meanwhile: fine
+        pass

@@ -1,7 +1,7 @@
 """The worker side of ``dist_sync`` / ``dist_async``: plans each key into slices and sends them.
 
 Each push, pull or pushpull becomes one request per slice (``placement``), all completing one
-``Handle``. Pulled slices are received straight into the caller's tensor by the receiving thread
+``Handle`` (for one key in one slice, the commonest case, the handle is the request's reply callback too). Pulled slices are received straight into the caller's tensor by the receiving thread
 (the IO thread, or the thread waiting on the handle), which is why results are only visible after
 ``wait``.
 """
@@ -86,6 +86,11 @@ class DistKVStore(KVStore):
                       priority: int, what: str) -> Handle:  # fmt: skip
         """One request per slice of every (key, value to send, tensors receiving the result) item."""
         self._check_usable()
+        if len(items) == 1:  # the common case (one key, one slice) takes a path with a third of the objects
+            key, value, targets = items[0]
+            slices = self._plan(key, value.numel())
+            if len(slices) == 1 and (not targets or (len(targets) == 1 and _lands_directly(targets[0]))):
+                return self._send_one(command, key, value, targets[0] if targets else None, slices[0], priority, what)
         plans = [(key, value, targets, self._plan(key, value.numel())) for key, value, targets in items]
         receivers = [_receiver(targets, value) if targets else (None, None) for _, value, targets, _ in plans]
         finishers = [finish for _, finish in receivers if finish is not None]
@@ -99,6 +104,15 @@ class DistKVStore(KVStore):
                 self._client.submit(part.server, self._header(command, key, value, part, priority), payloads,
                                     on_reply, handle.fail)  # fmt: skip
         return handle
+
+    def _send_one(self, command: Command, key: Key, value: torch.Tensor, target: torch.Tensor | None, part: Slice,
+                  priority: int, what: str) -> Handle:  # fmt: skip
+        """``_send_tensors`` of one key in one slice, its result (if any) landing in ``target``."""
+        request = _OneRequest(what, self._client.drive, part.server, target, value.dtype)
+        payloads = [] if command is Command.PULL else [tensor_bytes(value)]
+        self._client.submit(part.server, self._header(command, key, value, part, priority), payloads, request,
+                            request.fail)  # fmt: skip
+        return request
 
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:
         items = normalize(keys, values, "init")
@@ -225,7 +239,7 @@ def _receiver(
 ) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """Where replies land (the first target when it is contiguous CPU memory) and what copies it onward."""
     first = targets[0]
-    direct = first.device.type == "cpu" and first.is_contiguous()
+    direct = _lands_directly(first)
     landing = first if direct else torch.empty(like.shape, dtype=like.dtype)
     rest = targets[1:] if direct else targets
     if not rest:
@@ -236,6 +250,11 @@ def _receiver(
             target.copy_(landing)
 
     return landing.view(-1), copy_onward
+
+
+def _lands_directly(target: torch.Tensor) -> bool:
+    """Whether replies can be received straight into ``target`` (see ``_receiver``)."""
+    return target.device.type == "cpu" and target.is_contiguous()
 
 
 def _part(flat: torch.Tensor, part: Slice) -> torch.Tensor:
@@ -265,3 +284,24 @@ class _Reply:
             values = tensor_from_bytes(message.payloads[0], self.dtype, self.part.numel)
             self.target[self.part.start : self.part.stop].copy_(values)
         self.handle.part_done()
+
+
+class _OneRequest(Handle):
+    """The handle of a one-request operation, and that request's reply callback: one object, not three.
+
+    ``landing`` (the bytes of ``target``) is where ``Client`` receives a pull's reply in place.
+    """
+
+    def __init__(self, what: str, driver: Callable[[Handle, float], None], server: int,
+                 target: torch.Tensor | None, dtype: torch.dtype) -> None:  # fmt: skip
+        super().__init__(what, 1, driver=driver)
+        self.server, self.target, self.dtype = server, target, dtype
+        self.landing = tensor_bytes(target) if target is not None and target.numel() else None
+
+    def __call__(self, message: Message) -> None:
+        if self.target is not None and not message.landed:
+            if len(message.payloads) != 1:
+                raise KVStoreError(f"server {self.server} answered without a value payload")
+            values = tensor_from_bytes(message.payloads[0], self.dtype, self.target.numel())
+            self.target.view(-1).copy_(values)
+        self.part_done()
