@@ -40,6 +40,7 @@ from typing import Any, cast
 
 import torch
 import zmq
+from zmq.backend import zmq_poll
 from zmq.backend.cython import _zmq as pyzmq_backend
 
 from tandem.kvstore.dist.protocol import (
@@ -115,6 +116,7 @@ class ServerTransport(_Endpoint):
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 500)
         self.port = self.socket.bind_to_random_port(f"tcp://{bind_addr}")
+        self._poll_items = [(self.socket, POLLIN)]  # built once: Socket.poll builds a Poller per call
 
     def send(self, peer: bytes, header: Header, payloads: Sequence[Any] = ()) -> None:
         """Send to the worker whose routing id is ``peer``. Big payloads are read after this returns:
@@ -135,7 +137,7 @@ class ServerTransport(_Endpoint):
         """Messages arriving within ``timeout`` seconds, in arrival order; ``peer`` is the sender's routing id."""
         received: list[Incoming] = []
         socket = self.socket
-        if not socket.poll(int(max(timeout, 0) * 1000)):
+        if not zmq_poll(self._poll_items, int(max(timeout, 0) * 1000)):
             return received
         while len(received) < MAX_BATCH and _readable(socket):  # NOBLOCK all the same: never hang
             peer = socket.recv(NOBLOCK)  # a ROUTER's message has all its frames here once its first is
