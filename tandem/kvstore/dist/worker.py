@@ -1,9 +1,10 @@
 """The worker side of ``dist_sync`` / ``dist_async``: plans each key into slices and sends them.
 
 Each push, pull or pushpull becomes one request per slice (``placement``), all completing one
-``Handle`` (for one key in one slice, the commonest case, the handle is the request's reply callback too). Pulled slices are received straight into the caller's tensor by the receiving thread
-(the IO thread, or the thread waiting on the handle), which is why results are only visible after
-``wait``.
+``Handle`` (for one key in one slice, the commonest case, the handle is the request's reply
+callback too). Pulled slices are received straight into the caller's tensor by the receiving
+thread (the IO thread, or the thread waiting on the handle), which is why results are only
+visible after ``wait``.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class DistKVStore(KVStore):
         if len(items) == 1:  # the common case (one key, one slice) takes a path with a third of the objects
             key, value, targets = items[0]
             slices = self._plan(key, value.numel())
-            if len(slices) == 1 and (not targets or (len(targets) == 1 and _lands_directly(targets[0]))):
+            whole = len(slices) == 1 and slices[0].numel == value.numel()
+            if whole and (not targets or (len(targets) == 1 and _lands_directly(targets[0]))):
                 return self._send_one(command, key, value, targets[0] if targets else None, slices[0], priority, what)
         plans = [(key, value, targets, self._plan(key, value.numel())) for key, value, targets in items]
         receivers = [_receiver(targets, value) if targets else (None, None) for _, value, targets, _ in plans]
