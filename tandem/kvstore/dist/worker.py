@@ -102,7 +102,7 @@ class DistKVStore(KVStore):
             flat = value if value.dim() == 1 else value.reshape(-1)
             for part in slices:
                 payloads = [] if command is Command.PULL else [tensor_bytes(_part(flat, part))]
-                on_reply = _Reply(handle, receive, part, value.dtype)
+                on_reply = _Reply(handle, receive, part)
                 self._client.submit(part.server, self._header(command, key, value, part, priority), payloads,
                                     on_reply, handle.fail)  # fmt: skip
         return handle
@@ -110,7 +110,7 @@ class DistKVStore(KVStore):
     def _send_one(self, command: Command, key: Key, value: torch.Tensor, target: torch.Tensor | None, part: Slice,
                   priority: int, what: str) -> Handle:  # fmt: skip
         """``_send_tensors`` of one key in one slice, its result (if any) landing in ``target``."""
-        request = _OneRequest(what, self._client.drive, part.server, target, value.dtype)
+        request = _OneRequest(what, self._client.drive, part.server, target)
         payloads = [] if command is Command.PULL else [tensor_bytes(value)]
         self._client.submit(part.server, self._header(command, key, value, part, priority), payloads, request,
                             request.fail)  # fmt: skip
@@ -254,6 +254,13 @@ def _receiver(
     return landing.view(-1), copy_onward
 
 
+def _copy_value(message: Message, target: torch.Tensor, server: int) -> None:
+    """A reply's value into ``target`` (flat), where the receiver could not land it there in place."""
+    if len(message.payloads) != 1:
+        raise KVStoreError(f"server {server} answered without a value payload")
+    target.copy_(tensor_from_bytes(message.payloads[0], target.dtype, target.numel()))
+
+
 def _lands_directly(target: torch.Tensor) -> bool:
     """Whether replies can be received straight into ``target`` (see ``_receiver``)."""
     return target.device.type == "cpu" and target.is_contiguous()
@@ -272,7 +279,6 @@ class _Reply:
     handle: Handle
     target: torch.Tensor | None  # the flat tensor the reply's values belong in
     part: Slice
-    dtype: torch.dtype
     landing: memoryview | None = None  # bytes of target[part], read by Client when registering the request
 
     def __post_init__(self) -> None:
@@ -281,10 +287,7 @@ class _Reply:
 
     def __call__(self, message: Message) -> None:
         if self.target is not None and not message.landed:
-            if len(message.payloads) != 1:
-                raise KVStoreError(f"server {self.part.server} answered without a value payload")
-            values = tensor_from_bytes(message.payloads[0], self.dtype, self.part.numel)
-            self.target[self.part.start : self.part.stop].copy_(values)
+            _copy_value(message, self.target[self.part.start : self.part.stop], self.part.server)
         self.handle.part_done()
 
 
@@ -295,15 +298,12 @@ class _OneRequest(Handle):
     """
 
     def __init__(self, what: str, driver: Callable[[Handle, float], None], server: int,
-                 target: torch.Tensor | None, dtype: torch.dtype) -> None:  # fmt: skip
+                 target: torch.Tensor | None) -> None:  # fmt: skip
         super().__init__(what, 1, driver=driver)
-        self.server, self.target, self.dtype = server, target, dtype
+        self.server, self.target = server, target
         self.landing = tensor_bytes(target) if target is not None and target.numel() else None
 
     def __call__(self, message: Message) -> None:
         if self.target is not None and not message.landed:
-            if len(message.payloads) != 1:
-                raise KVStoreError(f"server {self.server} answered without a value payload")
-            values = tensor_from_bytes(message.payloads[0], self.dtype, self.target.numel())
-            self.target.view(-1).copy_(values)
+            _copy_value(message, self.target.view(-1), self.server)
         self.part_done()
