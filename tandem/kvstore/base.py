@@ -12,7 +12,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,16 +23,29 @@ Key = int | str
 Values = torch.Tensor | Sequence[torch.Tensor]
 
 
+class Receiver(Protocol):
+    """Whoever receives a store's replies (the distributed store's ``Client``), as a ``Handle`` sees it."""
+
+    def drive(self, handle: Handle, deadline: float) -> None:
+        """Receive replies on the calling thread until ``handle`` is done or ``deadline`` (or return
+        at once where another thread receives)."""
+
+    def wake_receiver(self) -> None:
+        """Make sure replies are received although this thread will wait without driving."""
+
+
 class Handle:
     """Completion of one asynchronous kvstore operation, made of ``parts`` network requests.
 
     Thread safety: parts complete (``part_done``/``fail``) from the kvstore's IO thread, or from a
-    waiting thread that receives replies itself (``driver``), while any thread may call
+    waiting thread that receives replies itself (``receiver.drive``), while any thread may call
     ``wait``/``done``. ``on_complete`` runs once, in the thread finishing the last part.
 
-    ``driver(handle, deadline)``, when given, is called by ``wait`` first: it may receive replies
-    on the waiting thread until the handle is done (the distributed store's ``Client.drive``),
-    which saves the hand-off from a receiving thread to the waiter on every reply.
+    ``receiver``, when given, is asked by ``wait`` to ``drive``: receive replies on the waiting
+    thread until the handle is done (the distributed store's ``Client.drive``), which saves the
+    hand-off from a receiving thread to the waiter on every reply. A waiter that does not drive
+    (``wait(drive=False)``, a done callback) calls ``receiver.wake_receiver()`` instead, since the
+    store's IO thread leaves receiving to drivers once one has driven.
 
     Why a bare lock and not ``threading.Event``: the lock is held while the operation runs and
     released once when it ends, so ``wait`` is one lock acquisition and finishing is one release;
@@ -41,9 +54,9 @@ class Handle:
     """
 
     def __init__(self, what: str, parts: int, on_complete: Callable[[], None] | None = None,
-                 driver: Callable[[Handle, float], None] | None = None) -> None:  # fmt: skip
+                 receiver: Receiver | None = None) -> None:  # fmt: skip
         self.what = what
-        self._driver = driver
+        self._receiver = receiver
         self._remaining = parts
         self._on_complete = on_complete
         self._error: BaseException | None = None
@@ -96,10 +109,13 @@ class Handle:
         thread if already done; keep it short and non-blocking. ``handle.error`` says whether it failed.
         """
         with self._lock:
-            if not self._finished:
+            waiting = not self._finished
+            if waiting:
                 self._callbacks.append(callback)
-                return
-        callback(self)
+        if not waiting:
+            callback(self)
+        elif self._receiver is not None:
+            self._receiver.wake_receiver()  # the callback waits on replies nobody may drive
 
     def _run_callbacks(self) -> None:
         with self._lock:
@@ -113,8 +129,12 @@ class Handle:
         return self._error if self._finished else None
 
     def done(self) -> bool:
-        """True once the operation finished or failed; never blocks."""
-        return self._finished
+        """True once the operation finished or failed; never blocks (a poller counts as a waiter)."""
+        if self._finished:
+            return True
+        if self._receiver is not None:
+            self._receiver.wake_receiver()  # whoever polls waits on replies nobody may drive
+        return False
 
     def wait(self, timeout: float | None = None, drive: bool = True) -> None:
         """Block until done; raise the operation's error, or ``KVStoreTimeout`` after ``timeout`` seconds.
@@ -129,8 +149,11 @@ class Handle:
         if not self._finished:
             limit = knob("TANDEM_PS_WAIT_TIMEOUT") if timeout is None else timeout
             deadline = time.monotonic() + limit
-            if drive and self._driver is not None:
-                self._driver(self, deadline)  # returns once done, or at once if another thread receives
+            if self._receiver is not None:
+                if drive:
+                    self._receiver.drive(self, deadline)  # returns once done, or at once if another thread receives
+                else:
+                    self._receiver.wake_receiver()
             if not self._running.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
                 raise KVStoreTimeout(f"{self.what} did not finish within {limit:.1f} s (TANDEM_PS_WAIT_TIMEOUT)")
             self._running.release()  # the next waiter (any thread) passes too

@@ -8,12 +8,16 @@ receiving a pull's payload straight into its output tensor — so requests make 
 application computes.
 
 A thread that waits on a handle receives replies itself (``drive``): the IO thread hands it the
-sockets and sleeps until nobody has driven for ``HANDBACK_SECONDS`` (at once if a driver leaves
-requests pending). Why: with the IO thread receiving, every awaited reply crossed two sleeping
+sockets and sleeps, and stays asleep after the driver leaves, so that the next driver need not
+take the sockets back. Why: with the IO thread receiving, every awaited reply crossed two sleeping
 threads (the IO thread woke, then woke the waiter): 8-18 % of a 4 KB push+pull's wall time, 3-30 %
-at 1 MB (docs/distributed.md). Only one thread receives at any time (the hand-over is
-synchronous), so the transport's notification descriptor and wake-up pipe are never polled
-from two threads.
+at 1 MB (docs/distributed.md). The IO thread receives again as soon as anyone needs replies that
+no driver will take (``wake_receiver``): a driver leaving requests pending, ``Handle.wait(drive=
+False)``, a ``Handle.done()`` poll, a done callback, P3's sender held by its cap, a blocking
+``call``; at the latest at its next heartbeat. (It used to wake every 2 ms while a driver was
+active and take over 2 ms after the last one left: one wake-up per two 1 MB push+pulls.) Only one
+thread receives at any time (the hand-over is synchronous), so the transport's notification
+descriptor and wake-up pipe are never polled from two threads.
 
 Failure: a server silent for ``timeout`` seconds, or an ABORT from a server, fails every pending
 request with ``PeerFailure`` naming the node; the worker then tells the other servers (ABORT) and,
@@ -26,7 +30,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import os
 import sys
 import threading
@@ -44,7 +47,6 @@ from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, Rem
 
 log = logging.getLogger("tandem.kvstore.worker")
 EXIT_GRACE_SECONDS = 3.0  # time the main thread gets to raise the failure itself before a hard exit
-HANDBACK_SECONDS = 0.002  # the IO thread receives again once no thread drove for this long
 
 
 @dataclass
@@ -102,7 +104,7 @@ class Client:
         self._receiver = threading.Condition()  # guards the three below; the hand-over's meeting point
         self._driver_active = False
         self._io_receiving = True  # the IO thread polls the sockets (else it sleeps on _receiver)
-        self._last_driven = 0.0
+        self._left_to_drivers = False  # a driver took the sockets: the IO thread sleeps until wake_receiver
         self.driven = 0  # replies received by waiting threads rather than the IO thread (for tests)
         self._thread = threading.Thread(target=self._run, name=f"tandem-kvstore-worker-{rank}", daemon=True)
         self._thread.start()
@@ -170,6 +172,7 @@ class Client:
 
         self.submit(server, header, payloads, lambda message: finish("message", message),
                     lambda error: finish("error", error))  # fmt: skip
+        self.wake_receiver()  # this thread waits without driving
         if not done.wait(timeout):
             raise KVStoreTimeout(f"server {server} ({self.addresses[server]}) did not answer {header.describe()} "
                                  f"within {timeout:.1f} s")  # fmt: skip
@@ -200,13 +203,22 @@ class Client:
             self._driving.release()
 
     def _hand_back(self) -> None:
-        """Driver, done: the IO thread receives again after ``HANDBACK_SECONDS``, or at once if
-        requests are still pending (their replies may have no waiter, and P3's cap waits on them)."""
-        pending = bool(self._pending)
-        with self._receiver:
+        """Driver, done: the IO thread receives again at once if requests are still pending (their
+        replies may have no waiter, and P3's cap waits on them); else it sleeps on (``wake_receiver``)."""
+        with self._receiver:  # pending read under the lock: a wake_receiver racing this one is never lost
             self._driver_active = False
-            self._last_driven = -math.inf if pending else time.monotonic()
-            if pending:
+            if self._pending:
+                self._left_to_drivers = False
+                self._receiver.notify_all()
+
+    def wake_receiver(self) -> None:
+        """Make sure replies are received while nobody drives: for a thread about to wait on replies
+        without driving. Thread safe; costs one attribute read when the IO thread is receiving."""
+        if self._io_receiving or self._driver_active:  # an active driver hands back pending work
+            return
+        with self._receiver:
+            if self._left_to_drivers and not self._driver_active:
+                self._left_to_drivers = False
                 self._receiver.notify_all()
 
     def _receive_until(self, handle: Any, deadline: float) -> None:
@@ -226,23 +238,31 @@ class Client:
     def _take_receiving(self, deadline: float) -> bool:
         """Driver: stop the IO thread receiving (wake it, wait until it sleeps); False if it did not."""
         with self._receiver:
-            self._driver_active = True
+            self._driver_active = self._left_to_drivers = True
             if self._io_receiving:
                 self.transport.wake()
                 self._receiver.wait_for(lambda: not self._io_receiving, max(0.0, deadline - time.monotonic()))
             return not self._io_receiving
 
     def _io_yields(self, connected: bool, wait: float) -> bool:
-        """IO thread: leave receiving to a driver (now or lately active)? If so, say so to a driver
-        waiting for it, and sleep until woken or for at most ``wait`` and ``HANDBACK_SECONDS``."""
+        """IO thread: leave receiving to drivers (one is active, or one was and nobody asked for the IO
+        thread since)? If so, say so to a driver waiting for it, and sleep until woken or for ``wait``."""
         with self._receiver:
-            recent = self._driver_active or time.monotonic() - self._last_driven < HANDBACK_SECONDS
             closing = self._closing.is_set()  # goodbyes need a receiver: a driver's, or else this thread
-            self._io_receiving = not (connected and (self._driver_active or (recent and not closing)))
+            self._io_receiving = not (connected and (self._driver_active or (self._left_to_drivers and not closing)))
             if not self._io_receiving:
                 self._receiver.notify_all()
-                self._receiver.wait(min(wait, HANDBACK_SECONDS))  # in the same hold: no notice is lost
+                self._receiver.wait(wait)  # in the same hold: no notice is lost
             return not self._io_receiving
+
+    def _take_back(self) -> bool:
+        """IO thread, at a heartbeat: receive again unless a driver is active (so silence is judged
+        on what has arrived); True if it now receives."""
+        with self._receiver:
+            if self._driver_active:
+                return False
+            self._left_to_drivers, self._io_receiving = False, True
+            return True
 
     def _wake_io(self) -> None:
         """Wake the IO thread, receiving (from the transport's poll) or not (from ``_receiver``)."""
@@ -315,6 +335,8 @@ class Client:
                 else:
                     self._send_to_all(Command.BYE, self._goodbye, [])
             if connected and time.monotonic() >= next_heartbeat:
+                if not self._io_receiving and self._take_back():
+                    self._receive(0)  # what arrived while drivers had the sockets
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.options.heartbeat
 
@@ -374,6 +396,7 @@ class Client:
     def close(self, timeout: float) -> None:
         """Wait for outstanding requests, say goodbye to every server (unless the job failed), stop the IO thread."""
         deadline = time.monotonic() + timeout
+        self.wake_receiver()  # the outstanding replies are received while this thread polls for them
         while (
             self.outstanding()
             and self._failure is None

@@ -84,7 +84,7 @@ def _take(client: Any, rank: int, move: Move, parts: list[Slice]) -> Taken:
     value = torch.empty(math.prod(move.shape), dtype=move.dtype)
     state: dict[str, torch.Tensor] = {}
     names: list[tuple[str, ...]] = []
-    handle = Handle(f"take {move.old_key}", len(parts))
+    handle = Handle(f"take {move.old_key}", len(parts), receiver=client)
     for part in parts:
         client.submit(part.server, _header(Command.TAKE, rank, move.old_key, move, part), [],
                       partial(_taken, value, state, names, part, handle), handle.fail)  # fmt: skip
@@ -107,7 +107,7 @@ def _taken(value: torch.Tensor, state: dict[str, torch.Tensor], names: list[tupl
 
 def _put(client: Any, rank: int, move: Move, value: torch.Tensor, state: dict[str, torch.Tensor],
          parts: list[Slice]) -> Handle:  # fmt: skip
-    handle = Handle(f"put {move.new_key}", len(parts))
+    handle = Handle(f"put {move.new_key}", len(parts), receiver=client)
     for part in parts:
         piece = {name: tensor[part.start : part.stop] if per_element(tensor, value.numel()) else tensor
                  for name, tensor in state.items()}  # fmt: skip

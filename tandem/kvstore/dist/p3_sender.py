@@ -137,6 +137,9 @@ class PrioritySender:
         """``Client.drive``: replies (and so the releases of cap slots) are received by the waiter."""
         self._client.drive(handle, deadline)
 
+    def wake_receiver(self) -> None:
+        self._client.wake_receiver()
+
     def outstanding(self) -> int:
         """Requests queued here or awaiting a reply."""
         with self._cond:
@@ -155,6 +158,8 @@ class PrioritySender:
                 while not self._sendable():
                     if self._stopping and not self._queue:
                         return
+                    if self._queue:  # held by the cap: the replies and notices freeing it must be received
+                        self._client.wake_receiver()
                     self._cond.wait(POLL_SECONDS)
                     if self._client.failure is not None:
                         self._fail_queued(self._client.failure)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.env import knob
-from tandem.kvstore.base import Handle, Key, KVStore, normalize, reduce_sum
+from tandem.kvstore.base import Handle, Key, KVStore, Receiver, normalize, reduce_sum
 from tandem.kvstore.dist.client import Client, message_text
 from tandem.kvstore.dist.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
@@ -97,7 +97,7 @@ class DistKVStore(KVStore):
         receivers = [_receiver(targets, value) if targets else (None, None) for _, value, targets, _ in plans]
         finishers = [finish for _, finish in receivers if finish is not None]
         parts = sum(len(slices) for *_, slices in plans)
-        handle = Handle(what, parts, partial(_run_all, finishers) if finishers else None, self._client.drive)
+        handle = Handle(what, parts, partial(_run_all, finishers) if finishers else None, self._client)
         for (key, value, _, slices), (receive, _) in zip(plans, receivers):
             flat = value if value.dim() == 1 else value.reshape(-1)
             for part in slices:
@@ -110,7 +110,7 @@ class DistKVStore(KVStore):
     def _send_one(self, command: Command, key: Key, value: torch.Tensor, target: torch.Tensor | None, part: Slice,
                   priority: int, what: str) -> Handle:  # fmt: skip
         """``_send_tensors`` of one key in one slice, its result (if any) landing in ``target``."""
-        request = _OneRequest(what, self._client.drive, part.server, target)
+        request = _OneRequest(what, self._client, part.server, target)
         payloads = [] if command is Command.PULL else [tensor_bytes(value)]
         self._client.submit(part.server, self._header(command, key, value, part, priority), payloads, request,
                             request.fail)  # fmt: skip
@@ -169,7 +169,7 @@ class DistKVStore(KVStore):
 
     def barrier(self) -> None:
         self._check_usable()
-        handle = Handle("barrier", 1, driver=self._client.drive)
+        handle = Handle("barrier", 1, receiver=self._client)
         self._client.submit(0, Header(Command.BARRIER, 0, Role.WORKER, self.rank), [],
                             lambda message: handle.part_done(), handle.fail)  # fmt: skip
         handle.wait()
@@ -178,6 +178,7 @@ class DistKVStore(KVStore):
         """Wait for this worker's outstanding requests, then for everyone's: no round is half-merged after."""
         limit = knob("TANDEM_PS_WAIT_TIMEOUT")
         deadline = time.monotonic() + limit
+        self._client.wake_receiver()  # this thread polls below without driving
         while self._client.outstanding():
             self._check_usable()
             if time.monotonic() > deadline:
@@ -297,9 +298,8 @@ class _OneRequest(Handle):
     ``landing`` (the bytes of ``target``) is where ``Client`` receives a pull's reply in place.
     """
 
-    def __init__(self, what: str, driver: Callable[[Handle, float], None], server: int,
-                 target: torch.Tensor | None) -> None:  # fmt: skip
-        super().__init__(what, 1, driver=driver)
+    def __init__(self, what: str, receiver: Receiver, server: int, target: torch.Tensor | None) -> None:
+        super().__init__(what, 1, receiver=receiver)
         self.server, self.target = server, target
         self.landing = tensor_bytes(target) if target is not None and target.numel() else None
 

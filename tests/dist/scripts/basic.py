@@ -47,8 +47,10 @@ for round, (handle, out) in enumerate(zip(handles, outs_in_flight)):
     assert torch.equal(out, torch.full((1 << 20,), total * (round + 1))), (round, out)
 
 # who receives replies: a waiting thread receives them itself (rank 0's pushpull is answered only
-# once every worker pushed, and the others push only once rank 0 waits); replies nobody waits for
-# still arrive (the IO thread takes over once no thread waits); two threads may wait at once
+# once every worker pushed, and the others push only once rank 0 waits); replies that no thread
+# drives still arrive, for a poller of done() and for a done callback (the IO thread, asleep since a
+# driver took over, is woken: the job's heartbeat is 20 s, and each waits at most 10 s); two threads
+# may wait at once
 kv.init("late", torch.zeros(4))
 late = torch.empty(4)
 if rank == 0:
@@ -72,11 +74,16 @@ else:
     kv.rendezvous.wait(["basic: rank 0 waits"])
     kv.pushpull("late", torch.ones(4), out=late).wait()
 assert torch.equal(late, torch.full((4,), float(workers))), late
+kv.pull("odd", outs[0]).wait()  # a driver again: the IO thread sleeps now
 unwaited = kv.pull("odd", outs[0])
-deadline = time.monotonic() + 30
+deadline = time.monotonic() + 10
 while not unwaited.done() and time.monotonic() < deadline:
     time.sleep(0.01)
-assert unwaited.done(), "a reply nobody waited for was not received"
+assert unwaited.done(), "a reply whose handle was polled was not received"
+kv.pull("odd", outs[0]).wait()
+called = threading.Event()
+kv.pull("odd", outs[0]).add_done_callback(lambda handle: called.set())
+assert called.wait(10), "a done callback did not run though nobody waited on its handle"
 pulled = [torch.empty(1000), torch.empty(1000)]
 threads = [threading.Thread(target=lambda out=out: kv.pull("big", out).wait()) for out in pulled]
 for thread in threads:
