@@ -215,20 +215,14 @@ class PrioritySender:
     def _send(self, request: _Request) -> None:
         start = trace.now_us()
         header = request.header
+        slot = self._hold(request) if request.capped else None
+        if slot is not None and slot.receipt:
+            header = _with_receipt(header)
+        sent = _Sent(self, request, slot)
         try:
-            if request.capped:
-                slot = self._hold(request)
-                sent = dataclasses.replace(header, receipt=True) if slot.receipt else header
-                self._client.submit(request.server, sent, request.payloads, self._released_reply(request, slot),
-                                    self._released_error(request, slot))  # fmt: skip
-            else:
-                self._client.submit(
-                    request.server, header, request.payloads, self._traced(request), request.on_error
-                )
+            self._client.submit(request.server, header, request.payloads, sent, sent.fail)
         except (KVStoreTimeout, PeerFailure) as error:
-            if request.capped:
-                self._release(slot)
-            request.on_error(error)
+            sent.fail(error)
         if trace.enabled():
             trace.record(f"send {header.command.name.lower()} {header.key}[{self._slice(header)}]", start,
                          trace.now_us(), "comm", self._args(request, start), self._send_row)  # fmt: skip
@@ -240,35 +234,6 @@ class PrioritySender:
         header = request.header
         return {"key": header.key, "slice": self._slice(header), "priority": header.priority,
                 "server": request.server, "queued_us": round(sent_us - request.queued_us, 1)}  # fmt: skip
-
-    def _traced(self, request: _Request) -> Callable[[Message], None]:
-        """The request's reply handler, recorded as a receive event (it copies the slice into place)."""
-
-        def on_reply(message: Message) -> None:
-            start = trace.now_us()
-            request.on_reply(message)
-            if trace.enabled():
-                header = request.header
-                trace.record(f"receive {header.key}[{self._slice(header)}]", start, trace.now_us(), "comm",
-                             self._args(request, start), self._receive_row)  # fmt: skip
-
-        return _landing_like(on_reply, request.on_reply)
-
-    def _released_reply(self, request: _Request, slot: _Slot) -> Callable[[Message], None]:
-        traced = self._traced(request)
-
-        def on_reply(message: Message) -> None:
-            self._release(slot)
-            traced(message)
-
-        return _landing_like(on_reply, request.on_reply)
-
-    def _released_error(self, request: _Request, slot: _Slot) -> Callable[[BaseException], None]:
-        def on_error(error: BaseException) -> None:
-            self._release(slot)
-            request.on_error(error)
-
-        return on_error
 
     def close(self, timeout: float) -> None:
         """Send what is queued (unless the job failed), stop the sender thread, then close the client."""
@@ -282,8 +247,36 @@ class PrioritySender:
         self._client.close(timeout=max(0.1, deadline - time.monotonic()))
 
 
-def _landing_like(wrapper: Callable[[Message], None], inner: Callable[[Message], None]) -> Callable[[Message], None]:
-    """``wrapper`` with ``inner``'s ``landing`` (where ``Client`` receives a pull's reply in place):
-    without it every P3 reply was received into a fresh frame, then copied into its tensor."""
-    wrapper.landing = getattr(inner, "landing", None)  # type: ignore[attr-defined]
-    return wrapper
+class _Sent:
+    """A sent request's reply and error callback in one object (no closures per request): frees its
+    cap slot, records the receive event, then completes the request. ``landing`` is the request's
+    own (where ``Client`` receives a pull's reply in place)."""
+
+    __slots__ = ("sender", "request", "slot", "landing")
+
+    def __init__(self, sender: PrioritySender, request: _Request, slot: _Slot | None) -> None:
+        self.sender, self.request, self.slot = sender, request, slot
+        self.landing = getattr(request.on_reply, "landing", None)
+
+    def __call__(self, message: Message) -> None:
+        if self.slot is not None:
+            self.sender._release(self.slot)
+        start = trace.now_us()
+        self.request.on_reply(message)
+        if trace.enabled():
+            header, sender = self.request.header, self.sender
+            trace.record(f"receive {header.key}[{sender._slice(header)}]", start, trace.now_us(), "comm",
+                         sender._args(self.request, start), sender._receive_row)  # fmt: skip
+
+    def fail(self, error: BaseException) -> None:
+        if self.slot is not None:
+            self.sender._release(self.slot)
+        self.request.on_error(error)
+
+
+def _with_receipt(header: Header) -> Header:
+    """``header`` asking for a RECEIVED notice; made once per header (kept on it, like its packed frame)."""
+    asking = header.__dict__.get("_with_receipt")
+    if asking is None:
+        asking = header.__dict__["_with_receipt"] = dataclasses.replace(header, receipt=True)
+    return asking
