@@ -48,13 +48,15 @@ try:
     operation = kb.kvstore_push_pull(kv, "ab", value, out)
     cpu = lambda: sum(kb.thread_cpu_seconds(os.getpid())) + sum(kb.thread_cpu_seconds(server))
     drive = getattr(Client, "drive", None)  # None before the waiting thread received its replies
+    # "io": waits do not drive, they only make sure the IO thread receives (as wait(drive=False) does)
+    undriven = lambda client, handle, deadline: getattr(client, "wake_receiver", lambda: None)()
     print("ready", flush=True)
     for line in sys.stdin:
         count, *mode = line.split()
         if int(count) == 0:
             break
         if drive is not None:
-            Client.drive = (lambda client, handle, deadline: None) if mode == ["io"] else drive
+            Client.drive = undriven if mode == ["io"] else drive
         wall, used = time.perf_counter(), cpu()
         for _ in range(int(count)):
             operation()
