@@ -13,7 +13,7 @@ from tests.dist.jobs import REPO, SCRIPTS, job_env, run_job, worker_lines
 
 @pytest.mark.parametrize("workers, servers", [(1, 1), (2, 3), (3, 2)])
 def test_sums_shapes_splitting_and_errors(workers: int, servers: int) -> None:
-    # a 20 s heartbeat: undriven replies must arrive through wake-ups, not the IO thread's heartbeat
+    # a 20 s heartbeat: undriven replies must arrive without waiting for the IO thread's heartbeat
     env = {"TANDEM_KVSTORE_BIGARRAY_BOUND": "100", "TANDEM_PS_HEARTBEAT": "20", "TANDEM_PS_TIMEOUT": "120"}
     result = run_job("basic.py", workers, servers, env=env)
     assert len(worker_lines(result.stdout, "basic OK")) == workers, result.stdout

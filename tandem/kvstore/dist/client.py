@@ -14,10 +14,11 @@ threads (the IO thread woke, then woke the waiter): 8-18 % of a 4 KB push+pull's
 at 1 MB (docs/distributed.md). The IO thread receives again as soon as anyone needs replies that
 no driver will take (``wake_receiver``): a driver leaving requests pending, ``Handle.wait(drive=
 False)``, a ``Handle.done()`` poll, a done callback, P3's sender held by its cap, a blocking
-``call``; at the latest at its next heartbeat. (It used to wake every 2 ms while a driver was
-active and take over 2 ms after the last one left: one wake-up per two 1 MB push+pulls.) Only one
-thread receives at any time (the hand-over is synchronous), so the transport's notification
-descriptor and wake-up pipe are never polled from two threads.
+``call``. As a backstop it looks every ``UNDRIVEN_SECONDS`` (50 ms) and takes over pending
+replies that no thread drives. (It used to wake every 2 ms while a driver was active and take
+over 2 ms after the last one left: one wake-up per two 1 MB push+pulls.) Only one thread
+receives at any time (the hand-over is synchronous), so the transport's notification descriptor
+and wake-up pipe are never polled from two threads.
 
 Failure: a server silent for ``timeout`` seconds, or an ABORT from a server, fails every pending
 request with ``PeerFailure`` naming the node; the worker then tells the other servers (ABORT) and,
@@ -47,6 +48,7 @@ from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, Rem
 
 log = logging.getLogger("tandem.kvstore.worker")
 EXIT_GRACE_SECONDS = 3.0  # time the main thread gets to raise the failure itself before a hard exit
+UNDRIVEN_SECONDS = 0.05  # the sleeping IO thread takes over replies nobody drove for this long (a backstop)
 
 
 @dataclass
@@ -191,7 +193,10 @@ class Client:
         if ident == self._thread.ident or ident == self._driver_ident:
             raise KVStoreError("a kvstore handle was waited on inside a reply or done callback; callbacks run on "
                                "the thread receiving replies and must not block: wait after they return")  # fmt: skip
-        if self._closing.is_set() or not self._driving.acquire(blocking=False):
+        if self._closing.is_set():
+            return
+        if not self._driving.acquire(blocking=False):  # another thread drives; it may leave before our reply
+            self.wake_receiver()
             return
         self._driver_ident = ident
         try:
@@ -207,8 +212,9 @@ class Client:
         replies may have no waiter, and P3's cap waits on them); else it sleeps on (``wake_receiver``)."""
         with self._receiver:  # pending read under the lock: a wake_receiver racing this one is never lost
             self._driver_active = False
-            if self._pending:
+            if self._pending or self._io_receiving:  # (receiving still: the take-over timed out)
                 self._left_to_drivers = False
+            if self._pending:
                 self._receiver.notify_all()
 
     def wake_receiver(self) -> None:
@@ -252,7 +258,9 @@ class Client:
             self._io_receiving = not (connected and (self._driver_active or (self._left_to_drivers and not closing)))
             if not self._io_receiving:
                 self._receiver.notify_all()
-                self._receiver.wait(wait)  # in the same hold: no notice is lost
+                woken = self._receiver.wait(min(wait, UNDRIVEN_SECONDS))  # in the same hold: no notice is lost
+                if not woken and not self._driver_active and self._pending:
+                    self._left_to_drivers = False  # replies nobody drove for a while: a missed wake-up
             return not self._io_receiving
 
     def _take_back(self) -> bool:

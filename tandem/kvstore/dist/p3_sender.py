@@ -170,6 +170,8 @@ class PrioritySender:
             finally:
                 with self._cond:
                     self._handing_over -= 1
+            # sent late, maybe after a driver left nothing pending: its waiter may not drive
+            self._client.wake_receiver()
 
     def _fail_queued(self, error: BaseException) -> None:
         """Caller holds the lock: every queued request fails with ``error``."""

@@ -49,8 +49,8 @@ for round, (handle, out) in enumerate(zip(handles, outs_in_flight)):
 # who receives replies: a waiting thread receives them itself (rank 0's pushpull is answered only
 # once every worker pushed, and the others push only once rank 0 waits); replies that no thread
 # drives still arrive, for a poller of done() and for a done callback (the IO thread, asleep since a
-# driver took over, is woken: the job's heartbeat is 20 s, and each waits at most 10 s); two threads
-# may wait at once
+# driver took over, is woken, or takes them over after 50 ms: not at its heartbeat, 20 s in this
+# job, since each waits at most 10 s); two threads may wait at once
 kv.init("late", torch.zeros(4))
 late = torch.empty(4)
 if rank == 0:
