@@ -401,7 +401,9 @@ def report(results: dict[int, dict[str, float]], runs: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=7, help="rounds per size (median; >= 5)")
+    # 25, not 7-9: a size's rounds span ~30 s instead of ~10, so one slow phase of this shared machine
+    # moves its median less (9-round runs put 1 MB at 65-81 % of the echo on one day, 25-round ones 72-81 %)
+    parser.add_argument("--runs", type=int, default=25, help="rounds per size (median; >= 5)")
     parser.add_argument("--sizes", type=int, nargs="+", help="tensor sizes in bytes (default: 4 KB to 64 MB; 1 MB with --cpu)")
     parser.add_argument("--cpu", action="store_true", help="where the time goes: CPU per operation of each side's threads")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
