@@ -14,9 +14,10 @@ threads (the IO thread woke, then woke the waiter): 8-18 % of a 4 KB push+pull's
 at 1 MB (docs/distributed.md). The IO thread receives again as soon as anyone needs replies that
 no driver will take (``wake_receiver``): a driver leaving requests pending, ``Handle.wait(drive=
 False)``, a ``Handle.done()`` poll, a done callback, a waiter finding another thread driving, P3's
-sender held by its cap or sending late, a blocking ``call``. As a backstop it looks every ``UNDRIVEN_SECONDS`` (50 ms) and takes over pending
-replies that no thread drives. (It used to wake every 2 ms while a driver was active and take
-over 2 ms after the last one left: one wake-up per two 1 MB push+pulls.) Only one thread
+sender held by its cap or sending late, a blocking ``call``. As a backstop it looks every
+``UNDRIVEN_SECONDS`` (50 ms) and takes over pending replies that no thread drives. (It used to
+wake every 2 ms while a driver was active and take over 2 ms after the last one left: one
+wake-up per two 1 MB push+pulls.) Only one thread
 receives at any time (the hand-over is synchronous), so the transport's notification descriptor
 and wake-up pipe are never polled from two threads.
 

@@ -169,10 +169,9 @@ class DistKVStore(KVStore):
 
     def barrier(self) -> None:
         self._check_usable()
-        handle = Handle("barrier", 1, receiver=self._client)
-        self._client.submit(0, Header(Command.BARRIER, 0, Role.WORKER, self.rank), [],
-                            lambda message: handle.part_done(), handle.fail)  # fmt: skip
-        handle.wait()
+        request = _OneRequest("barrier", self._client, 0, None)  # a handle that is its reply callback
+        self._client.submit(0, Header(Command.BARRIER, 0, Role.WORKER, self.rank), [], request, request.fail)
+        request.wait()
 
     def _settle(self) -> None:
         """Wait for this worker's outstanding requests, then for everyone's: no round is half-merged after."""
