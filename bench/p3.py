@@ -19,7 +19,9 @@ communication, run by each worker of the p3 job interleaved with its measured ru
 arrives once on a full-duplex link).
 
 Reproduce: .venv/bin/python bench/p3.py   (options: --models, --rates, --runs, --steps, --no-sweep)
-Writes bench/out/p3.png, bench/out/p3.md and bench/out/p3_sweep.md.
+Writes bench/out/p3.png, bench/out/p3.md and bench/out/p3_sweep.md. With ``--compression``: p3-auto
+with and without gradient compression (``p3-auto+fp16``, ``p3-auto+2bit``) at ``--compression-rate``
+instead, written to bench/out/p3_compression.md.
 """
 
 from __future__ import annotations
@@ -112,8 +114,10 @@ def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
 
     torch.set_num_threads(1)
     module, loss_fn, batch, _ = _model(model)
-    trainer = Trainer(module, loss_fn, tandem.optim.SGD(lr=0.01, momentum=0.9), kvstore=KINDS[mode],
-                      communication=mode.removesuffix("-auto"), progress=False)  # fmt: skip
+    base, _, compression = mode.partition("+")  # "p3-auto+2bit": p3-auto with 2-bit gradient compression
+    trainer = Trainer(module, loss_fn, tandem.optim.SGD(lr=0.01, momentum=0.9), kvstore=KINDS[base],
+                      communication=base.removesuffix("-auto"), gradient_compression=compression or None,
+                      progress=False)  # fmt: skip
     # the same step without communication, interleaved: compute time under the same load, side by side
     local_module, *_ = _model(model)
     local = Trainer(local_module, loss_fn, tandem.optim.SGD(lr=0.01, momentum=0.9), progress=False)
@@ -211,7 +215,7 @@ def run_ddp(model: str, rate: str, runs: int, steps: int) -> float:
 def _mode_env(mode: str) -> dict[str, str]:
     """p3-auto: slice size 0 (tune it), and a warm-up long enough for the tuner to settle before timing."""
     auto = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "0", "P3BENCH_WARMUP": str(AUTO_WARMUP_STEPS)}
-    return auto if mode == "p3-auto" else {}
+    return auto if mode.partition("+")[0] == "p3-auto" else {}
 
 
 def _rate_bits(rate: str) -> float | None:
@@ -289,6 +293,36 @@ def sweep(args: argparse.Namespace) -> None:
     print(f"\n{table}\n\nwritten {report}\nreproduce: {command_line()}")
 
 
+COMPRESSED_MODES = ("p3-auto", "p3-auto+fp16", "p3-auto+2bit")
+
+
+def compression_table(args: argparse.Namespace) -> None:
+    """p3-auto with and without gradient compression at one link rate, side by side per model."""
+    from tandem.kvstore.compression import GradientCompression
+
+    rate, rows = args.compression_rate, []
+    bits = _rate_bits(rate)
+    for model in args.models:
+        batch, measured = MODELS[model][2] * WORKERS, {}
+        for mode in COMPRESSED_MODES:
+            measured[mode] = run_tandem(model, mode, rate, args.runs, args.steps, _mode_env(mode))
+        parameters = measured["p3-auto"]["parameters"]
+        wire = 0.0 if bits is None else parameters * 4 * 8 / bits  # pulls stay whole: the floor does not move
+        ideal = batch / max(measured["p3-auto"]["compute"], wire)
+        for mode in COMPRESSED_MODES:
+            speed, ratio = batch / measured[mode]["seconds"], GradientCompression.parse(mode.partition("+")[2] or None).ratio
+            tuned = measured[mode]["tuned"]
+            rows.append([model, rate, mode, f"{parameters * 4 / ratio / 1e6:.2f} / {parameters * 4 / 1e6:.2f}", speed,
+                         speed * measured["p3-auto"]["seconds"] / batch, speed / ideal,
+                         "not settled" if tuned is None else f"{tuned[0] // 1000}k, {tuned[1]}, {'after' if tuned[2] else 'during'}"])  # fmt: skip
+    table = markdown_table(["model", "link", "mode", "MB pushed / pulled per step", "samples/s", "vs p3-auto",
+                            "of ideal", "tuner chose"], rows)  # fmt: skip
+    note = (f"samples/s, {WORKERS} workers + {SERVERS} servers, median of {args.runs} runs x {args.steps} steps, "
+            "all modes of a model back to back; ideal = batch / max(compute, model bytes / rate)")  # fmt: skip
+    report = write_report("p3_compression", f"{note}\n\n{table}")
+    print(f"\n{note}\n{table}\n\nwritten {report}\nreproduce: {command_line()}")
+
+
 def _plot(throughput: dict[tuple[str, str], dict[str, float]], args: argparse.Namespace) -> None:
     import matplotlib
 
@@ -329,9 +363,15 @@ def main() -> None:
     )
     parser.add_argument("--sweep-model", default="vgg", choices=list(MODELS))
     parser.add_argument("--sweep-rate", default="100mbit")
+    parser.add_argument("--compression", action="store_true",
+                        help="instead of the main table: p3-auto with fp16 and 2bit gradient compression")
+    parser.add_argument("--compression-rate", default="100mbit")
     args = parser.parse_args()
     if args.runs < 5:
         parser.error("--runs must be >= 5 (medians of at least 5 runs)")
+    if args.compression:
+        compression_table(args)
+        return
     main_bench(args)
 
 

@@ -98,7 +98,8 @@ def train(args: argparse.Namespace) -> int:
         raise SystemExit(f"--batch-size {args.batch_size} is the global batch: it must divide by the {workers} workers")
     options: dict[str, Any] = {"batch_size": args.batch_size // workers, "seed": args.seed,
                                "progress": not args.no_progress}
-    for name in ("mirror", "bulk_fwd", "bulk_bwd", "kvstore", "clip_grad_norm", "communication"):
+    for name in ("mirror", "bulk_fwd", "bulk_bwd", "kvstore", "clip_grad_norm", "communication",
+                 "gradient_compression"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     trainer = Trainer(module, entry.loss_fn, _optimizer(args), **options)
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvstore", default=None, help="local | dist_sync | dist_async | dist_p3 (under tandem launch)")
     p.add_argument("--communication", default=None, choices=["auto", "baseline", "overlap", "p3"],
                    help="how gradients travel with a distributed kvstore (auto: p3 on dist_p3, else overlap)")
+    p.add_argument("--gradient-compression", default=None, metavar="KIND[:THRESHOLD]",
+                   help="compress pushed gradients with a distributed kvstore: 2bit (threshold 0.5), 2bit:0.1, "
+                        "fp16 or bf16, with error feedback")
     p.add_argument("--out", default="runs/latest", help="directory for history.json and the training plot")
     p.add_argument("--samples", type=int, default=4096, help="size of synthetic data sets")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model constructor overrides")

@@ -61,6 +61,7 @@ class DistributedUpdate:
             raise ValueError("clip_grad_norm is not supported with a distributed kvstore yet: gradients leave "
                              "per layer, before a global norm exists; clip inside loss_fn or drop the option")
         self.store = kvstore.create(str(config.kvstore))
+        self.store.set_gradient_compression(config.gradient_compression)
         self.engine = get_engine()
         self._names: list[str] = []
         self._received: dict[str, torch.Tensor] = {}

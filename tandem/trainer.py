@@ -21,6 +21,7 @@ from torch import nn
 
 from tandem.engine import get_engine
 from tandem.graph.capture import LossFn
+from tandem.kvstore.compression import GradientCompression
 from tandem.step import EvalStep, StepConfig, StepResult, TrainStep, compile_eval
 from tandem.step import compile as compile_step
 
@@ -39,8 +40,13 @@ class TrainerConfig:
     kvstore: str | None = None  # None/"local" or "dist_sync", "dist_async", "dist_p3"
     update_on_kvstore: bool = True  # the servers run the optimizer (False: pushpull grads, update here)
     communication: str = "auto"  # "baseline", "overlap" or "p3" (auto: p3 on dist_p3, else overlap)
+    # compress pushed gradients ({"type": "2bit", "threshold": 0.5}, "fp16", "bf16"; tandem.kvstore.compression)
+    gradient_compression: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if GradientCompression.parse(self.gradient_compression).enabled and self.kvstore in (None, "local"):
+            raise ValueError(f"gradient_compression={self.gradient_compression!r} needs a distributed kvstore "
+                             f"(kvstore='dist_p3' under tandem launch); training alone sends no gradients")  # fmt: skip
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0, got {self.clip_grad_norm}")
         if self.batch_size < 1:

@@ -256,6 +256,14 @@ class KVStore(ABC):
     def set_optimizer(self, optimizer: Any) -> None:
         """Run updates with ``optimizer`` (a ``tandem.optim.Optimizer``) where values are stored (collective)."""
 
+    def set_gradient_compression(self, params: Any) -> None:
+        """Compress pushed gradients (``{"type": "2bit", "threshold": 0.5}``, "fp16", "bf16"; see
+        ``tandem.kvstore.compression``). Only distributed stores compress: bytes cost nothing here."""
+        if params is None or params == "none" or (isinstance(params, dict) and params.get("type", "none") == "none"):
+            return
+        raise KVStoreError(f"the {self.kind} kvstore does not compress gradients (no network to save); "
+                           f"use a dist_* kvstore, or drop the compression setting")  # fmt: skip
+
     @abstractmethod
     def barrier(self) -> None:
         """Block until every worker reached the barrier (collective)."""

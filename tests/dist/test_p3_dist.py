@@ -91,6 +91,18 @@ def test_auto_tuning_with_a_server_side_optimizer_moves_values_and_state(optimiz
     assert len(worker_lines(output, " moved ")) == 2, output
 
 
+@pytest.mark.parametrize(("kind", "compression", "slice_size"),
+                         [("dist_sync", "2bit:0.05", "64"), ("dist_p3", "fp16", "64"), ("dist_p3", "2bit:0.05", "0"),
+                          ("dist_p3_async", "bf16", "64")])  # fmt: skip
+def test_compressed_pushes_equal_a_local_replay_of_every_workers_quantizer(
+    kind: str, compression: str, slice_size: str, tmp_path: Path
+) -> None:
+    env = {"TEST_COMPRESSION": compression, "TANDEM_KVSTORE_SLICE_THRESHOLD": slice_size,
+           "TANDEM_KVSTORE_BIGARRAY_BOUND": "100"}  # fmt: skip
+    output = _run("compressed", kind, 2, 2, tmp_path, env)
+    assert len(worker_lines(output, "== local replay")) == 2, output
+
+
 def test_take_and_put_misused_give_clear_errors(tmp_path: Path) -> None:
     _run("slot-errors", "dist_sync", 2, 1, tmp_path)
 
@@ -253,6 +265,71 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
     return {}
 
 
+def _compressed(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Compressed pushes with error feedback and server-side SGD: every step (sync) or the end (async)
+    equals a local replay that quantizes each worker's gradient plus residual elementwise."""
+    import os
+
+    from tandem.optim import SGD
+
+    kv.set_gradient_compression(os.environ["TEST_COMPRESSION"])
+    config = kv.gradient_compression
+    sync, tuned = kv.kind in ("dist_sync", "dist_p3"), getattr(kv, "tuner", None) is not None
+    shapes = {"odd": (7, 3, 5), 0: (), "w": (1000,), "big": (4_003,)}
+    values = {key: torch.linspace(-1, 1, torch.Size(shape).numel()).reshape(shape) for key, shape in shapes.items()}
+    kv.init(list(shapes), list(values.values()))
+    make = (lambda: SGD(lr=0.1, momentum=0.9)) if sync else (lambda: SGD(lr=0.1))  # async: order-free
+    kv.set_optimizer(make())
+    if tuned:
+        kv.tuner.warmup, kv.tuner.steps_per_trial, kv.tuner.min_trial_seconds = 1, 2, 0.0  # switch slicing often
+    reference, states = make(), {key: make().create_state(value.reshape(-1)) for key, value in values.items()}
+    expected = {key: value.reshape(-1).clone() for key, value in values.items()}
+    residuals = [{key: torch.zeros(torch.Size(shape).numel()) for key, shape in shapes.items()}
+                 for _ in range(kv.num_workers)]  # fmt: skip
+
+    def sent(worker: int, key: object, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.reshape(-1) + residuals[worker][key]  # type: ignore[index]
+        if config.type == "2bit":
+            t = config.threshold
+            quantized = torch.where(total >= t, t, torch.where(total <= -t, -t, 0.0))
+        elif config.type == "fp16":
+            quantized = total.clamp(-65504, 65504).half().float()
+        else:
+            quantized = total.bfloat16().float()
+        residuals[worker][key] = total - quantized  # type: ignore[index]
+        return quantized
+
+    steps = 30 if tuned else 8
+    outs = {key: torch.empty(shape) for key, shape in shapes.items()}
+    for step in range(steps):
+        grads = [{key: 0.1 * torch.sin(torch.arange(float(torch.Size(shape).numel())) * (worker + 1) + step).reshape(shape)
+                  for key, shape in shapes.items()} for worker in range(kv.num_workers)]  # fmt: skip
+        handles = [kv.pushpull(key, grads[rank][key], out=outs[key], priority=-index) if sync
+                   else kv.push(key, grads[rank][key], priority=-index) for index, key in enumerate(shapes)]  # fmt: skip
+        for handle in handles:
+            handle.wait(timeout=60)
+        for key in shapes:
+            merged = sent(0, key, grads[0][key])  # the server's sum, in rank order
+            for worker in range(1, kv.num_workers):
+                merged.add_(sent(worker, key, grads[worker][key]))
+            reference.update([expected[key]], [merged], [states[key]])
+            if sync:
+                torch.testing.assert_close(outs[key].reshape(-1), expected[key], rtol=1e-5, atol=1e-6)
+    if not sync:
+        kv.barrier()
+        for key in shapes:
+            kv.pull(key, outs[key]).wait(timeout=60)
+            torch.testing.assert_close(outs[key].reshape(-1), expected[key], rtol=1e-5, atol=1e-5)
+    for key in shapes:  # what this worker's pushes left out is what the replay left out (a tuned store's slot names)
+        stored = kv._compressor.residual(f"p3/{kv._live}/{key!r}" if tuned else key)
+        torch.testing.assert_close(stored, residuals[rank][key], rtol=0, atol=1e-6)
+    if tuned:
+        sizes = [config.slice_size for config, _ in kv.tuner.history]
+        assert len(set(sizes)) >= 2, kv.tuner.history  # the slicing changed: residuals followed the keys
+    print(f"rank {rank} compressed {config} == local replay")
+    return {}
+
+
 def _slot_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """TAKE and PUT misused: each a clear error to the caller, and the server keeps serving (2 workers)."""
     from tandem.kvstore.dist.protocol import Command, Header, Role, state_payloads
@@ -345,6 +422,7 @@ def main(mode: str, kind: str, out: str) -> None:
         "auto": _auto,
         "auto-optimizer": _auto_optimizer,
         "slot-errors": _slot_errors,
+        "compressed": _compressed,
         "auto-lamb": _auto_lamb,
         "opposite": _opposite,
         "launched": _launched,

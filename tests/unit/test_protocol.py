@@ -40,8 +40,9 @@ def _push(key: int | str = "w", shape: tuple[int, ...] = (7, 3, 5), **changes: o
 @pytest.mark.parametrize("key", [0, 17, -5, "layer.0.weight", "ключ"])
 @pytest.mark.parametrize("secret", [b"", b"s3cret"])
 @pytest.mark.parametrize("receipt", [False, True])
-def test_header_round_trip(key: int | str, secret: bytes, receipt: bool) -> None:
-    header = _push(key, receipt=receipt)
+@pytest.mark.parametrize("compressed", [False, True])
+def test_header_round_trip(key: int | str, secret: bytes, receipt: bool, compressed: bool) -> None:
+    header = _push(key, receipt=receipt, compressed=compressed)
     assert decode_header(encode_header(header, secret), secret) == header
 
 

@@ -122,6 +122,9 @@ class P3KVStore(DistKVStore):
         moves = [Move(_slot_key(self._live, key), _slot_key(size, key), *self._keys[key]) for key in keys]
         move_slots(self._client, self.rank, moves, RoundRobinPlacement(self.num_servers, self._live),
                    RoundRobinPlacement(self.num_servers, size))  # fmt: skip
+        if self._compressor is not None:  # residuals are per element: the same under any slicing
+            for key in self._keys:
+                self._compressor.rename(_slot_key(self._live, key), _slot_key(size, key))
         self._live = size
         self.barrier()  # no worker uses the new slicing before every key is there
 

@@ -30,7 +30,8 @@ import torch
 from tandem.kvstore.errors import ProtocolError
 
 MAGIC = b"TDKV"
-VERSION = 3  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked); 3: TAKE and PUT
+VERSION = 4  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked); 3: TAKE and PUT;
+# 4: the COMPRESSED flag (gradient compression, tandem.kvstore.compression)
 MAC_BYTES = 32
 MAX_NDIM = 16
 MAX_KEY_BYTES = 1024
@@ -73,6 +74,7 @@ class Flag(IntFlag):
     ERROR = 2
     SIGNED = 4
     RECEIPT = 8  # worker -> P3 server: announce RECEIVED if this request has to wait for other workers
+    COMPRESSED = 16  # the pushed value travels compressed: a descriptor frame, then the data (see compression)
 
 
 class Role(IntEnum):
@@ -122,6 +124,7 @@ class Header:
     payload_nbytes: int = 0
     timestamp: float = field(default_factory=time.time)
     receipt: bool = False  # asks for a RECEIVED notice (see Flag.RECEIPT)
+    compressed: bool = False  # the pushed value is compressed (see Flag.COMPRESSED)
 
     @property
     def slice_numel(self) -> int:
@@ -195,7 +198,8 @@ def encode_header(header: Header, secret: bytes = b"", payload_count: int | None
     nbytes = header.payload_nbytes if payload_nbytes is None else payload_nbytes
     packed = header.__dict__.get("_packed")  # frozen: the cache lives in the instance dict
     if packed is None or packed[0] != count or packed[1] != nbytes:
-        flags = (_RESPONSE if header.response else 0) | (_ERROR if header.error else 0) | (_RECEIPT if header.receipt else 0)
+        flags = ((_RESPONSE if header.response else 0) | (_ERROR if header.error else 0)
+                 | (_RECEIPT if header.receipt else 0) | (_COMPRESSED if header.compressed else 0))  # fmt: skip
         body = _pack(header.command, flags, header.sender_role, header.sender_rank, header.priority, header.key,
                      header.dtype, header.shape, header.slice_start, header.slice_stop, count, nbytes)  # fmt: skip
         packed = header.__dict__["_packed"] = (count, nbytes, body)
@@ -274,7 +278,8 @@ _COMMANDS = {int(command): command for command in Command}
 _ROLES = {int(role): role for role in Role}
 _KEY_KINDS = {int(kind): kind for kind in KeyKind}
 _RESPONSE, _ERROR, _SIGNED, _RECEIPT = int(Flag.RESPONSE), int(Flag.ERROR), int(Flag.SIGNED), int(Flag.RECEIPT)
-_KNOWN_FLAGS = _RESPONSE | _ERROR | _SIGNED | _RECEIPT
+_COMPRESSED = int(Flag.COMPRESSED)
+_KNOWN_FLAGS = _RESPONSE | _ERROR | _SIGNED | _RECEIPT | _COMPRESSED
 
 
 def _decode_key(kind: KeyKind, raw: bytes) -> Key | None:
@@ -385,7 +390,7 @@ def _parse_header(frame: bytes, secret: bytes) -> Header:
         sender_role=_lookup(_ROLES, role, "role"), sender_rank=rank, key=key, priority=priority, dtype=dtype,
         shape=shape, slice_start=start, slice_stop=stop, response=bool(flags & _RESPONSE),
         error=bool(flags & _ERROR), payload_count=payload_count, payload_nbytes=payload_nbytes, timestamp=timestamp,
-        receipt=bool(flags & _RECEIPT),
+        receipt=bool(flags & _RECEIPT), compressed=bool(flags & _COMPRESSED),
     )  # fmt: skip
     return header
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tandem.kvstore import compression
 from tandem.kvstore.dist.protocol import (
     Command,
     Header,
@@ -260,8 +261,14 @@ class Server:
             raise RemoteError(f"{header.describe()} needs a key and a dtype")
         if header.command in (Command.PULL, Command.TAKE, Command.PUT):  # no pushed value (PUT parses its own)
             return self._slot_id(header), None
-        if len(message.payloads) != 1:
-            raise RemoteError(f"{header.describe()} needs exactly one payload frame")
+        if header.compressed and header.command in (Command.PUSH, Command.PUSHPULL):
+            try:  # decoded into a tensor of its own (no received frame behind it)
+                decoded = compression.decode(message.payloads, header.dtype, header.slice_numel)
+            except ProtocolError as error:
+                raise RemoteError(f"{header.describe()}: {error}") from None
+            return self._slot_id(header), (decoded, None)
+        if len(message.payloads) != 1 or header.compressed:
+            raise RemoteError(f"{header.describe()} needs exactly one uncompressed payload frame")
         tensor = tensor_from_bytes(message.payloads[0], header.dtype, header.slice_numel)
         return self._slot_id(header), (tensor, message.frames[0] if message.frames else None)
 

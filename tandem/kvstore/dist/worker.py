@@ -21,6 +21,7 @@ import torch
 
 from tandem.env import knob
 from tandem.kvstore.base import Handle, Key, KVStore, Receiver, normalize, reduce_sum
+from tandem.kvstore.compression import COMPRESSIBLE, Compressor, GradientCompression
 from tandem.kvstore.dist.client import Client, message_text
 from tandem.kvstore.dist.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
@@ -31,6 +32,7 @@ from tandem.kvstore.slots import optimizer_to_json
 
 CACHE_LIMIT = 65536  # request headers and plans remembered (a job has a few per key)
 Item = tuple[Key, torch.Tensor, list[torch.Tensor]]  # key, value to send, tensors receiving the result
+_PUSHES = frozenset({Command.PUSH, Command.PUSHPULL})  # what gradient compression applies to (never INIT)
 T = TypeVar("T")
 
 
@@ -46,6 +48,7 @@ class DistKVStore(KVStore):
         self._initialised: set[Key] = set()
         self._headers: dict[tuple[Any, ...], Header] = {}  # see _header
         self._plans: dict[tuple[Any, ...], list[Slice]] = {}  # see _plan
+        self._compressor: Compressor | None = None  # see set_gradient_compression
         self._closed = False
         try:
             self._client.connect()
@@ -66,12 +69,28 @@ class DistKVStore(KVStore):
     def num_servers(self) -> int:
         return self.topology.num_servers
 
-    def _header(self, command: Command, key: Key, tensor: torch.Tensor, part: Slice, priority: int) -> Header:
+    def _header(self, command: Command, key: Key, tensor: torch.Tensor, part: Slice, priority: int,
+                compressed: bool = False) -> Header:  # fmt: skip
         """The request header, made once per request kind: its frame is packed once too (``encode_header``)."""
         dtype, shape = tensor.dtype, tuple(tensor.shape)
-        return _remember(self._headers, (command, type(key), key, priority, dtype, shape, part.start, part.stop),
+        return _remember(self._headers, (command, type(key), key, priority, dtype, shape, part.start, part.stop,
+                                         compressed),
                          lambda: Header(command, 0, Role.WORKER, self.rank, key=key, priority=priority, dtype=dtype,
-                                        shape=shape, slice_start=part.start, slice_stop=part.stop))  # fmt: skip
+                                        shape=shape, slice_start=part.start, slice_stop=part.stop,
+                                        compressed=compressed))  # fmt: skip
+
+    def _compresses(self, command: Command, value: torch.Tensor) -> bool:
+        """Whether this request's value travels compressed: pushed gradients of float keys, when asked."""
+        return self._compressor is not None and command in _PUSHES and value.dtype in COMPRESSIBLE
+
+    def _payloads(self, command: Command, key: Key, flat: torch.Tensor, part: Slice, compressed: bool) -> list[memoryview]:
+        """The frames carrying ``flat[part]`` (none for a pull; a descriptor and the data when compressed)."""
+        if command is Command.PULL:
+            return []
+        if compressed:
+            assert self._compressor is not None  # ensured by _compresses
+            return self._compressor.encode(key, flat, part.start, part.stop)
+        return [tensor_bytes(_part(flat, part))]
 
     def _plan(self, key: Key, numel: int) -> list[Slice]:
         """``placement.plan``, remembered: a plan depends only on the placement, the key and its size."""
@@ -100,20 +119,22 @@ class DistKVStore(KVStore):
         handle = Handle(what, parts, partial(_run_all, finishers) if finishers else None, self._client)
         for (key, value, _, slices), (receive, _) in zip(plans, receivers):
             flat = value if value.dim() == 1 else value.reshape(-1)
+            compressed = self._compresses(command, value)
             for part in slices:
-                payloads = [] if command is Command.PULL else [tensor_bytes(_part(flat, part))]
+                payloads = self._payloads(command, key, flat, part, compressed)
                 on_reply = _Reply(handle, receive, part)
-                self._client.submit(part.server, self._header(command, key, value, part, priority), payloads,
-                                    on_reply, handle.fail)  # fmt: skip
+                self._client.submit(part.server, self._header(command, key, value, part, priority, compressed),
+                                    payloads, on_reply, handle.fail)  # fmt: skip
         return handle
 
     def _send_one(self, command: Command, key: Key, value: torch.Tensor, target: torch.Tensor | None, part: Slice,
                   priority: int, what: str) -> Handle:  # fmt: skip
         """``_send_tensors`` of one key in one slice, its result (if any) landing in ``target``."""
         request = _OneRequest(what, self._client, part.server, target)
-        payloads = [] if command is Command.PULL else [tensor_bytes(value)]
-        self._client.submit(part.server, self._header(command, key, value, part, priority), payloads, request,
-                            request.fail)  # fmt: skip
+        compressed = self._compresses(command, value)
+        payloads = self._payloads(command, key, value.view(-1), part, compressed)
+        self._client.submit(part.server, self._header(command, key, value, part, priority, compressed), payloads,
+                            request, request.fail)  # fmt: skip
         return request
 
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:
@@ -166,6 +187,20 @@ class DistKVStore(KVStore):
 
     def set_optimizer(self, optimizer: Any) -> None:
         self._broadcast(Command.SET_OPTIMIZER, optimizer_to_json(optimizer))
+
+    def set_gradient_compression(self, params: GradientCompression | dict[str, Any] | str | None) -> None:
+        """Compress this worker's pushes from now on (``tandem.kvstore.compression``): ``{"type": "2bit",
+        "threshold": 0.5}`` (MXNet's form), ``"fp16"``, ``"bf16"``, or None / ``"none"`` to stop.
+
+        Not collective: servers decode whatever arrives. Call it on every worker before the first push
+        so that all workers' gradients are treated alike. Residuals start at zero (stopping drops them).
+        """
+        config = GradientCompression.parse(params)
+        self._compressor = Compressor(config) if config.enabled else None
+
+    @property
+    def gradient_compression(self) -> GradientCompression:
+        return self._compressor.config if self._compressor is not None else GradientCompression()
 
     def barrier(self) -> None:
         self._check_usable()

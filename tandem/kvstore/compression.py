@@ -1,0 +1,186 @@
+"""Gradient compression of pushes: fewer bytes up the link, with error feedback so nothing is lost.
+
+Why: on a slow link a worker's pushes are half its traffic, and gradients tolerate coarse values
+as long as what was left out is sent later. Like MXNet's ``kvstore.set_gradient_compression``, a
+worker adds the *residual* (what earlier pushes of the key left out) to each gradient, sends a
+coarse version of the sum and keeps the difference as the new residual. Over steps every bit of
+every gradient reaches the servers, only later (error feedback; Seide et al. 2014, 1-bit SGD).
+
+Kinds (``{"type": ..., "threshold": ...}``):
+
+- ``2bit`` (MXNet's): each element becomes ``+threshold``, ``-threshold`` or 0, whichever the sum
+  reaches (``>= threshold``, ``<= -threshold``, else 0); four elements per byte, 16x fewer bytes
+  than float32.
+- ``fp16`` / ``bf16``: the sum cast to 16 bits, 2x fewer bytes (fp16 values are clamped to its
+  range first: what overflows stays in the residual instead of becoming ``inf``).
+
+Only pushed values of float32 and float64 keys are compressed (pushes and pushpulls, never
+``init``); pulls and replies carry full values, as in MXNet. Servers need no setting: a compressed
+push says so in its header (``Flag.COMPRESSED``) and carries a descriptor frame (kind, threshold)
+before the data, so workers may even differ.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.kvstore.errors import KVStoreError, ProtocolError
+
+Key = int | str
+KINDS = {"2bit": 1, "fp16": 2, "bf16": 3}  # the wire's kind codes
+_NAMES = {code: name for name, code in KINDS.items()}
+_CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+COMPRESSIBLE = frozenset({torch.float32, torch.float64})
+DESCRIPTOR = struct.Struct("<B3xf")  # kind code, threshold (2bit; 0 otherwise)
+
+
+@dataclass(frozen=True)
+class GradientCompression:
+    """What ``set_gradient_compression`` was given: ``type`` "none", "2bit", "fp16" or "bf16", and
+    ``threshold`` (2bit only: the magnitude sent for every element that reaches it; MXNet's 0.5;
+    rounded to float32, as the wire carries it)."""
+
+    type: str = "none"
+    threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.type != "none" and self.type not in KINDS:
+            raise KVStoreError(f"unknown gradient compression {self.type!r}; choose 'none' or one of {sorted(KINDS)}")
+        threshold = float(self.threshold)
+        if math.isfinite(threshold) and abs(threshold) < 3e38:  # what the wire carries: the worker subtracts the same
+            threshold = struct.unpack("<f", struct.pack("<f", threshold))[0]
+        if not (math.isfinite(threshold) and threshold > 0):
+            raise KVStoreError(f"gradient compression threshold must be a positive number, got {self.threshold}")
+        object.__setattr__(self, "threshold", threshold)  # frozen: set once, here
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
+
+    @property
+    def ratio(self) -> int:
+        """How many times fewer bytes a float32 push takes on the wire."""
+        return {"none": 1, "2bit": 16}.get(self.type, 2)
+
+    @classmethod
+    def parse(cls, params: GradientCompression | dict[str, Any] | str | None) -> GradientCompression:
+        """From MXNet's dict form (``{"type": "2bit", "threshold": 0.5}``), a string ("2bit", "2bit:0.1",
+        "fp16") or None (no compression)."""
+        if params is None:
+            return cls()
+        if isinstance(params, GradientCompression):
+            return params
+        if isinstance(params, str):
+            kind, _, threshold = params.partition(":")
+            try:
+                return cls(kind, float(threshold)) if threshold else cls(kind)
+            except ValueError:
+                raise KVStoreError(f"gradient compression {params!r}: the threshold after ':' must be a number") from None
+        if not isinstance(params, dict) or set(params) - {"type", "threshold"}:
+            raise KVStoreError(f"gradient compression takes {{'type': ..., 'threshold': ...}}, got {params!r}")
+        return cls(str(params.get("type", "none")), float(params.get("threshold", 0.5)))
+
+
+class Compressor:
+    """A worker's encoder: the residual of every key, and the frames of a compressed push.
+
+    Thread safety: one key's pushes must be encoded by one thread at a time (a store's pushes are
+    made by the thread driving it); different keys may be encoded concurrently.
+    """
+
+    def __init__(self, config: GradientCompression) -> None:
+        if not config.enabled:
+            raise KVStoreError("a Compressor needs a compression type other than 'none'")
+        self.config = config
+        self._descriptor = memoryview(DESCRIPTOR.pack(KINDS[config.type], config.threshold if config.type == "2bit" else 0.0))
+        self._residuals: dict[Key, torch.Tensor] = {}
+
+    def encode(self, key: Key, flat: torch.Tensor, start: int, stop: int) -> list[memoryview]:
+        """The frames carrying elements ``[start, stop)`` of the flat value ``flat`` pushed to ``key``;
+        the key's residual over those elements becomes what the frames leave out."""
+        residual = self._residuals.get(key)
+        if residual is None or residual.numel() != flat.numel() or residual.dtype != flat.dtype:
+            residual = self._residuals[key] = torch.zeros(flat.numel(), dtype=flat.dtype)
+        total = residual[start:stop]
+        total.add_(flat[start:stop])  # in place: the residual now holds gradient + what was left out before
+        data = encode_into_residual(self.config, total)
+        from tandem.kvstore.dist.protocol import tensor_bytes  # late: protocol is the dist side's module
+
+        return [self._descriptor, tensor_bytes(data)]
+
+    def residual(self, key: Key) -> torch.Tensor | None:
+        """What the pushes of ``key`` have left out so far (flat), or None before its first push."""
+        return self._residuals.get(key)
+
+    def rename(self, old: Key, new: Key) -> None:
+        """``old``'s residual now belongs to ``new`` (P3 names slots after the slicing, which may change)."""
+        residual = self._residuals.pop(old, None)
+        if residual is not None:
+            self._residuals[new] = residual
+
+
+def encode_into_residual(config: GradientCompression, total: torch.Tensor) -> torch.Tensor:
+    """The compressed form of ``total`` (gradient plus residual, flat), leaving in ``total`` what it omits."""
+    if config.type == "2bit":
+        threshold = config.threshold
+        positive, negative = total >= threshold, total <= -threshold
+        codes = positive.to(torch.uint8) + negative.to(torch.uint8) * 2  # 0: zero, 1: +threshold, 2: -threshold
+        total.sub_((positive.to(total.dtype) - negative.to(total.dtype)) * threshold)
+        return _pack_2bit(codes)
+    if config.type == "fp16":
+        sent = total.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)  # overflow stays in the residual
+    else:
+        sent = total.to(_CASTS[config.type])
+    total.sub_(sent.to(total.dtype))
+    return sent
+
+
+def decode(payloads: Sequence[memoryview], dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The ``numel`` values of ``dtype`` that a compressed push's frames (descriptor, data) carry.
+
+    Raises ``ProtocolError`` naming the problem for frames no worker's ``Compressor`` makes.
+    """
+    if len(payloads) != 2 or payloads[0].nbytes != DESCRIPTOR.size:
+        raise ProtocolError("a compressed push needs a descriptor frame and a data frame")
+    code, threshold = DESCRIPTOR.unpack(payloads[0])
+    kind = _NAMES.get(code)
+    if kind is None:
+        raise ProtocolError(f"unknown gradient compression code {code}")
+    if dtype not in COMPRESSIBLE:
+        raise ProtocolError(f"{kind} push of a {dtype} key: only float32 and float64 keys are compressed")
+    data = payloads[1]
+    if kind == "2bit":
+        if not (math.isfinite(threshold) and threshold > 0):
+            raise ProtocolError(f"2bit push with threshold {threshold}")
+        if data.nbytes != (numel + 3) // 4:
+            raise ProtocolError(f"2bit push of {numel} elements carries {data.nbytes} bytes, not {(numel + 3) // 4}")
+        return _unpack_2bit(torch.frombuffer(data, dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8),
+                            threshold, numel, dtype)  # fmt: skip
+    cast = _CASTS[kind]
+    if data.nbytes != 2 * numel:
+        raise ProtocolError(f"{kind} push of {numel} elements carries {data.nbytes} bytes, not {2 * numel}")
+    return torch.frombuffer(data, dtype=cast).to(dtype) if numel else torch.empty(0, dtype=dtype)
+
+
+def _pack_2bit(codes: torch.Tensor) -> torch.Tensor:
+    """Four 2-bit codes per byte, the first in the lowest bits; the last byte padded with zeros."""
+    padding = -codes.numel() % 4
+    if padding:
+        codes = torch.cat([codes, codes.new_zeros(padding)])
+    quads = codes.view(-1, 4)
+    return quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+
+
+def _unpack_2bit(packed: torch.Tensor, threshold: float, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    codes = torch.stack([packed & 3, (packed >> 2) & 3, (packed >> 4) & 3, packed >> 6], dim=1).view(-1)[:numel]
+    if bool((codes == 3).any()):
+        raise ProtocolError("2bit push carries the unused code 3")
+    table = torch.tensor([0.0, threshold, -threshold], dtype=dtype)
+    return table[codes.long()]

@@ -1,0 +1,123 @@
+"""Gradient compression: encodings against elementwise formulas, error feedback, malformed frames."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from tandem.kvstore import LocalKVStore
+from tandem.kvstore.compression import DESCRIPTOR, KINDS, Compressor, GradientCompression, decode
+from tandem.kvstore.errors import KVStoreError, ProtocolError
+from tandem.trainer import TrainerConfig
+
+
+def _frames_bytes(frames: list[memoryview]) -> int:
+    return sum(frame.nbytes for frame in frames)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 3, 4, 5, 1001])
+def test_2bit_sends_plus_minus_threshold_or_zero_and_keeps_the_rest(numel: int) -> None:
+    compressor = Compressor(GradientCompression("2bit", 0.1))
+    t = compressor.config.threshold
+    grad = torch.linspace(-0.3, 0.3, numel)
+    frames = compressor.encode("k", grad, 0, numel)
+    assert frames[1].nbytes == (numel + 3) // 4  # four elements per byte: 16x fewer bytes than float32
+    sent = decode(frames, torch.float32, numel)
+    expected = torch.where(grad >= t, t, torch.where(grad <= -t, -t, 0.0))
+    assert torch.equal(sent, expected)
+    residual = compressor.residual("k")
+    assert residual is not None and torch.equal(residual, grad - expected)
+
+
+def test_error_feedback_sends_everything_eventually() -> None:
+    """Whatever each push leaves out is added to the next: the sent total plus the residual is the gradient total."""
+    compressor = Compressor(GradientCompression("2bit", 0.5))
+    total_sent, total_grad = torch.zeros(50), torch.zeros(50)
+    for step in range(40):
+        grad = torch.sign(torch.arange(50.0) - 25) * (0.03 + 0.02 * torch.sin(torch.arange(50.0) + step))  # all < 0.5
+        total_grad += grad
+        total_sent += decode(compressor.encode("k", grad, 0, 50), torch.float32, 50)
+    residual = compressor.residual("k")
+    assert residual is not None
+    torch.testing.assert_close(total_sent + residual, total_grad)
+    assert total_sent.abs().sum() > 0  # small gradients did get through, by accumulating
+    assert residual.abs().max() < 0.5 + 0.05  # what is held back stays below a threshold plus one gradient
+
+
+def test_a_slice_uses_and_updates_only_its_part_of_the_residual() -> None:
+    compressor = Compressor(GradientCompression("fp16"))
+    grad = torch.full((10,), 1.0 + 2**-20)  # not representable in fp16: a residual is left
+    compressor.encode("k", grad, 2, 6)
+    residual = compressor.residual("k")
+    assert residual is not None
+    assert torch.count_nonzero(residual[:2]) == 0 and torch.count_nonzero(residual[6:]) == 0
+    assert torch.all(residual[2:6] != 0)
+    compressor.rename("k", "p3/80000/'k'")  # P3 moving to another slicing keeps the residual
+    assert compressor.residual("k") is None and compressor.residual("p3/80000/'k'") is residual
+
+
+def test_fp16_overflow_stays_in_the_residual_instead_of_becoming_inf() -> None:
+    compressor = Compressor(GradientCompression("fp16"))
+    frames = compressor.encode("k", torch.tensor([1e6, -1e6, 1.0]), 0, 3)
+    sent = decode(frames, torch.float32, 3)
+    assert sent.tolist() == [65504.0, -65504.0, 1.0]
+    residual = compressor.residual("k")
+    assert residual is not None and residual.tolist() == [1e6 - 65504.0, -1e6 + 65504.0, 0.0]
+
+
+@pytest.mark.parametrize(("kind", "ratio"), [("2bit", 16), ("fp16", 2), ("bf16", 2)])
+def test_bytes_on_the_wire(kind: str, ratio: int) -> None:
+    config = GradientCompression(kind)
+    frames = Compressor(config).encode("k", torch.randn(40_000), 0, 40_000)
+    assert config.ratio == ratio
+    assert frames[1].nbytes == 40_000 * 4 // ratio and _frames_bytes(frames) == frames[1].nbytes + DESCRIPTOR.size
+
+
+def test_parse_forms_and_errors() -> None:
+    assert GradientCompression.parse(None) == GradientCompression()
+    assert not GradientCompression.parse("none").enabled
+    assert GradientCompression.parse({"type": "2bit", "threshold": 0.25}) == GradientCompression("2bit", 0.25)
+    assert GradientCompression.parse("2bit:0.25") == GradientCompression("2bit", 0.25)
+    assert GradientCompression.parse("2bit").threshold == 0.5  # MXNet's default
+    assert GradientCompression("2bit", 0.1).threshold == struct.unpack("<f", struct.pack("<f", 0.1))[0]
+    with pytest.raises(KVStoreError, match="unknown gradient compression '3bit'"):
+        GradientCompression.parse("3bit")
+    with pytest.raises(KVStoreError, match="threshold must be a positive number"):
+        GradientCompression("2bit", -1.0)
+    with pytest.raises(KVStoreError, match="must be a number"):
+        GradientCompression.parse("2bit:high")
+    with pytest.raises(KVStoreError, match="takes"):
+        GradientCompression.parse({"type": "2bit", "ratio": 3})
+
+
+def _frames(code: int, threshold: float, data: bytes) -> list[memoryview]:
+    return [memoryview(DESCRIPTOR.pack(code, threshold)), memoryview(bytearray(data))]  # writable: frombuffer is quiet
+
+
+@pytest.mark.parametrize(
+    ("frames", "dtype", "numel", "problem"),
+    [
+        ([memoryview(b"xx")], torch.float32, 4, "descriptor frame and a data frame"),
+        (_frames(9, 0.5, b"\x00"), torch.float32, 4, "unknown gradient compression code 9"),
+        (_frames(KINDS["2bit"], 0.5, b"\x00\x00"), torch.float32, 4, "carries 2 bytes, not 1"),
+        (_frames(KINDS["2bit"], 0.5, b"\x03"), torch.float32, 4, "unused code 3"),
+        (_frames(KINDS["2bit"], float("nan"), b"\x00"), torch.float32, 4, "threshold nan"),
+        (_frames(KINDS["fp16"], 0.0, b"\x00" * 6), torch.float32, 4, "carries 6 bytes, not 8"),
+        (_frames(KINDS["fp16"], 0.0, b"\x00" * 8), torch.int64, 4, "only float32 and float64"),
+    ],
+)
+def test_malformed_frames_are_rejected_with_the_reason(
+    frames: list[memoryview], dtype: torch.dtype, numel: int, problem: str
+) -> None:
+    with pytest.raises(ProtocolError, match=problem):
+        decode(frames, dtype, numel)
+
+
+def test_only_distributed_stores_compress() -> None:
+    LocalKVStore().set_gradient_compression(None)  # "no compression" is fine anywhere
+    with pytest.raises(KVStoreError, match="use a dist_\\* kvstore"):
+        LocalKVStore().set_gradient_compression("2bit")
+    with pytest.raises(ValueError, match="needs a distributed kvstore"):
+        TrainerConfig(gradient_compression="2bit")
