@@ -21,7 +21,8 @@ arrives once on a full-duplex link).
 Reproduce: .venv/bin/python bench/p3.py   (options: --models, --rates, --runs, --steps, --no-sweep)
 Writes bench/out/p3.png, bench/out/p3.md and bench/out/p3_sweep.md. With ``--compression``: p3-auto
 with and without gradient compression (``p3-auto+fp16``, ``p3-auto+2bit``) at ``--compression-rate``
-instead, written to bench/out/p3_compression.md.
+instead, written to bench/out/p3_compression_<update>.md (``--update servers|workers``: where the
+optimizer runs; on the workers the pulled sums travel compressed too).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
     base, _, compression = mode.partition("+")  # "p3-auto+2bit": p3-auto with 2-bit gradient compression
     trainer = Trainer(module, loss_fn, tandem.optim.SGD(lr=0.01, momentum=0.9), kvstore=KINDS[base],
                       communication=base.removesuffix("-auto"), gradient_compression=compression or None,
+                      update_on_kvstore=os.environ.get("P3BENCH_UPDATE", "servers") == "servers",
                       progress=False)  # fmt: skip
     # the same step without communication, interleaved: compute time under the same load, side by side
     local_module, *_ = _model(model)
@@ -300,26 +302,27 @@ def compression_table(args: argparse.Namespace) -> None:
     """p3-auto with and without gradient compression at one link rate, side by side per model."""
     from tandem.kvstore.compression import GradientCompression
 
-    rate, rows = args.compression_rate, []
+    rate, rows, update = args.compression_rate, [], {"P3BENCH_UPDATE": args.update}
     bits = _rate_bits(rate)
     for model in args.models:
         batch, measured = MODELS[model][2] * WORKERS, {}
         for mode in COMPRESSED_MODES:
-            measured[mode] = run_tandem(model, mode, rate, args.runs, args.steps, _mode_env(mode))
+            measured[mode] = run_tandem(model, mode, rate, args.runs, args.steps, {**_mode_env(mode), **update})
         parameters = measured["p3-auto"]["parameters"]
-        wire = 0.0 if bits is None else parameters * 4 * 8 / bits  # pulls stay whole: the floor does not move
+        wire = 0.0 if bits is None else parameters * 4 * 8 / bits  # the uncompressed floor, for every row
         ideal = batch / max(measured["p3-auto"]["compute"], wire)
         for mode in COMPRESSED_MODES:
             speed, ratio = batch / measured[mode]["seconds"], GradientCompression.parse(mode.partition("+")[2] or None).ratio
-            tuned = measured[mode]["tuned"]
-            rows.append([model, rate, mode, f"{parameters * 4 / ratio / 1e6:.2f} / {parameters * 4 / 1e6:.2f}", speed,
+            tuned, pulled = measured[mode]["tuned"], parameters * 4 / (ratio if args.update == "workers" else 1)
+            rows.append([model, rate, mode, f"{parameters * 4 / ratio / 1e6:.2f} / {pulled / 1e6:.2f}", speed,
                          speed * measured["p3-auto"]["seconds"] / batch, speed / ideal,
                          "not settled" if tuned is None else f"{tuned[0] // 1000}k, {tuned[1]}, {'after' if tuned[2] else 'during'}"])  # fmt: skip
     table = markdown_table(["model", "link", "mode", "MB pushed / pulled per step", "samples/s", "vs p3-auto",
                             "of ideal", "tuner chose"], rows)  # fmt: skip
-    note = (f"samples/s, {WORKERS} workers + {SERVERS} servers, median of {args.runs} runs x {args.steps} steps, "
-            "all modes of a model back to back; ideal = batch / max(compute, model bytes / rate)")  # fmt: skip
-    report = write_report("p3_compression", f"{note}\n\n{table}")
+    note = (f"samples/s, {WORKERS} workers + {SERVERS} servers, updates on the {args.update}, median of {args.runs} "
+            f"runs x {args.steps} steps, all modes of a model back to back; ideal = batch / max(compute, model bytes / "
+            "rate), uncompressed")  # fmt: skip
+    report = write_report(f"p3_compression_{args.update}", f"{note}\n\n{table}")
     print(f"\n{note}\n{table}\n\nwritten {report}\nreproduce: {command_line()}")
 
 
@@ -366,6 +369,8 @@ def main() -> None:
     parser.add_argument("--compression", action="store_true",
                         help="instead of the main table: p3-auto with fp16 and 2bit gradient compression")
     parser.add_argument("--compression-rate", default="100mbit")
+    parser.add_argument("--update", default="servers", choices=["servers", "workers"],
+                        help="--compression: where the optimizer runs (workers: pulls carry sums, compressed too)")
     args = parser.parse_args()
     if args.runs < 5:
         parser.error("--runs must be >= 5 (medians of at least 5 runs)")

@@ -102,6 +102,8 @@ def train(args: argparse.Namespace) -> int:
                  "gradient_compression"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    if args.update_on is not None:
+        options["update_on_kvstore"] = args.update_on == "servers"
     trainer = Trainer(module, entry.loss_fn, _optimizer(args), **options)
     rank = trainer.rank
     out = Path(args.out)
@@ -197,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-compression", default=None, metavar="KIND[:THRESHOLD]",
                    help="compress pushed gradients with a distributed kvstore: 2bit (threshold 0.5), 2bit:0.1, "
                         "fp16 or bf16, with error feedback")
+    p.add_argument("--update-on", default=None, choices=["servers", "workers"],
+                   help="with a distributed kvstore: where the optimizer runs (default: servers)")
     p.add_argument("--out", default="runs/latest", help="directory for history.json and the training plot")
     p.add_argument("--samples", type=int, default=4096, help="size of synthetic data sets")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model constructor overrides")

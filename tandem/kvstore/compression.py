@@ -99,7 +99,6 @@ class Compressor:
         if not config.enabled:
             raise KVStoreError("a Compressor needs a compression type other than 'none'")
         self.config = config
-        self._descriptor = memoryview(DESCRIPTOR.pack(KINDS[config.type], config.threshold if config.type == "2bit" else 0.0))
         self._residuals: dict[Key, torch.Tensor] = {}
 
     def encode(self, key: Key, flat: torch.Tensor, start: int, stop: int) -> list[memoryview]:
@@ -110,10 +109,7 @@ class Compressor:
             residual = self._residuals[key] = torch.zeros(flat.numel(), dtype=flat.dtype)
         total = residual[start:stop]
         total.add_(flat[start:stop])  # in place: the residual now holds gradient + what was left out before
-        data = encode_into_residual(self.config, total)
-        from tandem.kvstore.dist.protocol import tensor_bytes  # late: protocol is the dist side's module
-
-        return [self._descriptor, tensor_bytes(data)]
+        return frames_of(self.config, encode_into_residual(self.config, total))
 
     def residual(self, key: Key) -> torch.Tensor | None:
         """What the pushes of ``key`` have left out so far (flat), or None before its first push."""
@@ -142,30 +138,47 @@ def encode_into_residual(config: GradientCompression, total: torch.Tensor) -> to
     return sent
 
 
-def decode(payloads: Sequence[memoryview], dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """The ``numel`` values of ``dtype`` that a compressed push's frames (descriptor, data) carry.
+def frames_of(config: GradientCompression, data: torch.Tensor) -> list[memoryview]:
+    """The frames (descriptor, data) of values ``encode_into_residual`` compressed with ``config``."""
+    from tandem.kvstore.dist.protocol import tensor_bytes  # late: protocol is the dist side's module
 
-    Raises ``ProtocolError`` naming the problem for frames no worker's ``Compressor`` makes.
-    """
+    threshold = config.threshold if config.type == "2bit" else 0.0
+    return [memoryview(DESCRIPTOR.pack(KINDS[config.type], threshold)), tensor_bytes(data)]
+
+
+def config_of(payloads: Sequence[memoryview]) -> GradientCompression:
+    """The compression that frames (descriptor, data) were made with; ``ProtocolError`` if malformed."""
     if len(payloads) != 2 or payloads[0].nbytes != DESCRIPTOR.size:
-        raise ProtocolError("a compressed push needs a descriptor frame and a data frame")
+        raise ProtocolError("compressed values need a descriptor frame and a data frame")
     code, threshold = DESCRIPTOR.unpack(payloads[0])
     kind = _NAMES.get(code)
     if kind is None:
         raise ProtocolError(f"unknown gradient compression code {code}")
+    if kind != "2bit":
+        return GradientCompression(kind)
+    if not (math.isfinite(threshold) and threshold > 0):
+        raise ProtocolError(f"2bit values with threshold {threshold}")
+    return GradientCompression(kind, threshold)
+
+
+def decode(payloads: Sequence[memoryview], dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The ``numel`` values of ``dtype`` that compressed frames (descriptor, data) carry.
+
+    Raises ``ProtocolError`` naming the problem for frames no ``Compressor`` makes.
+    """
+    config = config_of(payloads)
+    kind, threshold = config.type, config.threshold
     if dtype not in COMPRESSIBLE:
-        raise ProtocolError(f"{kind} push of a {dtype} key: only float32 and float64 keys are compressed")
+        raise ProtocolError(f"{kind} values of a {dtype} key: only float32 and float64 keys are compressed")
     data = payloads[1]
     if kind == "2bit":
-        if not (math.isfinite(threshold) and threshold > 0):
-            raise ProtocolError(f"2bit push with threshold {threshold}")
         if data.nbytes != (numel + 3) // 4:
-            raise ProtocolError(f"2bit push of {numel} elements carries {data.nbytes} bytes, not {(numel + 3) // 4}")
+            raise ProtocolError(f"2bit values of {numel} elements carry {data.nbytes} bytes, not {(numel + 3) // 4}")
         return _unpack_2bit(torch.frombuffer(data, dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8),
                             threshold, numel, dtype)  # fmt: skip
     cast = _CASTS[kind]
     if data.nbytes != 2 * numel:
-        raise ProtocolError(f"{kind} push of {numel} elements carries {data.nbytes} bytes, not {2 * numel}")
+        raise ProtocolError(f"{kind} values of {numel} elements carry {data.nbytes} bytes, not {2 * numel}")
     return torch.frombuffer(data, dtype=cast).to(dtype) if numel else torch.empty(0, dtype=dtype)
 
 
@@ -181,6 +194,6 @@ def _pack_2bit(codes: torch.Tensor) -> torch.Tensor:
 def _unpack_2bit(packed: torch.Tensor, threshold: float, numel: int, dtype: torch.dtype) -> torch.Tensor:
     codes = torch.stack([packed & 3, (packed >> 2) & 3, (packed >> 4) & 3, packed >> 6], dim=1).view(-1)[:numel]
     if bool((codes == 3).any()):
-        raise ProtocolError("2bit push carries the unused code 3")
+        raise ProtocolError("2bit values carry the unused code 3")
     table = torch.tensor([0.0, threshold, -threshold], dtype=dtype)
     return table[codes.long()]

@@ -35,6 +35,7 @@ class Slot:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     owned: bool = True  # False while ``value`` views a received network buffer
     frame: Any = None  # the received zmq.Frame whose bytes ``value`` views: sent on as is, no copy
+    compressed: list[Any] | None = None  # ``value`` as compressed frames, for pulls (a server's compressed round)
 
 
 def optimizer_to_json(optimizer: Any) -> str:
@@ -152,7 +153,7 @@ class SlotTable:
         self.optimizer = optimizer
         self.optimizer_json = optimizer_to_json(optimizer)
         for slot in self.slots.values():
-            slot.value, slot.owned, slot.frame = slot.value.clone(), True, None
+            slot.value, slot.owned, slot.frame, slot.compressed = slot.value.clone(), True, None, None
             slot.state = self._new_state(slot.value)
 
     @staticmethod
@@ -178,6 +179,7 @@ class SlotTable:
         reading the old value keep it alive. With one, the update is in place: pulls are then
         answered with a copy (the server's ``_send_value``), so no send ever reads a value changing.
         """
+        slot.compressed = None  # a new value: its compressed frames, if any, are the caller's to set
         if self.optimizer is None:
             slot.value, slot.owned, slot.frame = merged, merged_owned, frame
             return

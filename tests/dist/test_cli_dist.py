@@ -18,15 +18,19 @@ def _accuracy(out: Path, name: str) -> float:
     return json.loads((out / name).read_text())[-1]["eval_accuracy"]
 
 
-@pytest.mark.parametrize(("kind", "compression"), [("dist_sync", None), ("dist_p3", None), ("dist_p3", "fp16")])
-def test_data_parallel_digits_matches_single_process(kind: str, compression: str | None, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "compression", "update_on"),
+                         [("dist_sync", None, "servers"), ("dist_p3", None, "servers"), ("dist_p3", "fp16", "servers"),
+                          ("dist_p3", "fp16", "workers")])  # fmt: skip
+def test_data_parallel_digits_matches_single_process(
+    kind: str, compression: str | None, update_on: str, tmp_path: Path
+) -> None:
     train = [sys.executable, "-m", "tandem", "train", *EPOCHS, "--threads", "1"]
     single = subprocess.run([*train, "--out", str(tmp_path / "single")], cwd=REPO, env=job_env(),
                             capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr
     launch = [sys.executable, "-m", "tandem", "launch", "-n", "2", "-s", "2", *(["--p3"] if kind == "dist_p3" else []),
               "--", *train, "--kvstore", kind, "--out", str(tmp_path / "dist"),
-              *(["--gradient-compression", compression] if compression else [])]
+              "--update-on", update_on, *(["--gradient-compression", compression] if compression else [])]
     dist = subprocess.run(launch, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
     assert dist.returncode == 0, dist.stdout + dist.stderr
     assert "[worker 0] tandem: done" in dist.stdout and "[worker 1] tandem: done" in dist.stdout

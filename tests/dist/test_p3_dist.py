@@ -91,14 +91,17 @@ def test_auto_tuning_with_a_server_side_optimizer_moves_values_and_state(optimiz
     assert len(worker_lines(output, " moved ")) == 2, output
 
 
-@pytest.mark.parametrize(("kind", "compression", "slice_size"),
-                         [("dist_sync", "2bit:0.05", "64"), ("dist_p3", "fp16", "64"), ("dist_p3", "2bit:0.05", "0"),
-                          ("dist_p3_async", "bf16", "64")])  # fmt: skip
+@pytest.mark.parametrize(("kind", "compression", "slice_size", "optimizer"),
+                         [("dist_sync", "2bit:0.05", "64", "sgd"), ("dist_p3", "fp16", "64", "sgd"),
+                          ("dist_p3", "2bit:0.05", "0", "sgd"), ("dist_p3_async", "bf16", "64", "sgd"),
+                          ("dist_sync", "2bit:0.05", "64", "none"), ("dist_p3", "fp16", "64", "none")])  # fmt: skip
 def test_compressed_pushes_equal_a_local_replay_of_every_workers_quantizer(
-    kind: str, compression: str, slice_size: str, tmp_path: Path
+    kind: str, compression: str, slice_size: str, optimizer: str, tmp_path: Path
 ) -> None:
+    """With an optimizer on the servers pulls carry parameters, whole; without one (updates on the
+    workers) they carry the round's sum, compressed back with the server's own error feedback."""
     env = {"TEST_COMPRESSION": compression, "TANDEM_KVSTORE_SLICE_THRESHOLD": slice_size,
-           "TANDEM_KVSTORE_BIGARRAY_BOUND": "100"}  # fmt: skip
+           "TANDEM_KVSTORE_BIGARRAY_BOUND": "100", "TEST_OPTIMIZER": optimizer}  # fmt: skip
     output = _run("compressed", kind, 2, 2, tmp_path, env)
     assert len(worker_lines(output, "== local replay")) == 2, output
 
@@ -267,7 +270,8 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
 
 def _compressed(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """Compressed pushes with error feedback and server-side SGD: every step (sync) or the end (async)
-    equals a local replay that quantizes each worker's gradient plus residual elementwise."""
+    equals a local replay that quantizes each worker's gradient plus residual elementwise. Without an
+    optimizer (sync) every pushpull returns the replay's sum quantized again with the server's residual."""
     import os
 
     from tandem.optim import SGD
@@ -279,18 +283,20 @@ def _compressed(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-un
     values = {key: torch.linspace(-1, 1, torch.Size(shape).numel()).reshape(shape) for key, shape in shapes.items()}
     kv.init(list(shapes), list(values.values()))
     make = (lambda: SGD(lr=0.1, momentum=0.9)) if sync else (lambda: SGD(lr=0.1))  # async: order-free
-    kv.set_optimizer(make())
+    on_servers = os.environ["TEST_OPTIMIZER"] != "none"
+    if on_servers:
+        kv.set_optimizer(make())
     if tuned:
         kv.tuner.warmup, kv.tuner.steps_per_trial, kv.tuner.min_trial_seconds = 1, 2, 0.0  # switch slicing often
     reference, states = make(), {key: make().create_state(value.reshape(-1)) for key, value in values.items()}
     expected = {key: value.reshape(-1).clone() for key, value in values.items()}
     residuals = [{key: torch.zeros(torch.Size(shape).numel()) for key, shape in shapes.items()}
-                 for _ in range(kv.num_workers)]  # fmt: skip
+                 for _ in range(kv.num_workers + 1)]  # fmt: skip  # the last: the servers' (elementwise too)
 
     def sent(worker: int, key: object, grad: torch.Tensor) -> torch.Tensor:
         total = grad.reshape(-1) + residuals[worker][key]  # type: ignore[index]
-        if config.type == "2bit":
-            t = config.threshold
+        if config.type == "2bit":  # the servers' quantum is the workers' times their number
+            t = config.threshold if worker < kv.num_workers else type(config)("2bit", config.threshold * kv.num_workers).threshold
             quantized = torch.where(total >= t, t, torch.where(total <= -t, -t, 0.0))
         elif config.type == "fp16":
             quantized = total.clamp(-65504, 65504).half().float()
@@ -312,6 +318,9 @@ def _compressed(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-un
             merged = sent(0, key, grads[0][key])  # the server's sum, in rank order
             for worker in range(1, kv.num_workers):
                 merged.add_(sent(worker, key, grads[worker][key]))
+            if not on_servers:  # the sum comes back compressed
+                torch.testing.assert_close(outs[key].reshape(-1), sent(kv.num_workers, key, merged), rtol=0, atol=0)
+                continue
             reference.update([expected[key]], [merged], [states[key]])
             if sync:
                 torch.testing.assert_close(outs[key].reshape(-1), expected[key], rtol=1e-5, atol=1e-6)

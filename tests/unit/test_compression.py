@@ -101,10 +101,10 @@ def _frames(code: int, threshold: float, data: bytes) -> list[memoryview]:
     [
         ([memoryview(b"xx")], torch.float32, 4, "descriptor frame and a data frame"),
         (_frames(9, 0.5, b"\x00"), torch.float32, 4, "unknown gradient compression code 9"),
-        (_frames(KINDS["2bit"], 0.5, b"\x00\x00"), torch.float32, 4, "carries 2 bytes, not 1"),
+        (_frames(KINDS["2bit"], 0.5, b"\x00\x00"), torch.float32, 4, "carry 2 bytes, not 1"),
         (_frames(KINDS["2bit"], 0.5, b"\x03"), torch.float32, 4, "unused code 3"),
         (_frames(KINDS["2bit"], float("nan"), b"\x00"), torch.float32, 4, "threshold nan"),
-        (_frames(KINDS["fp16"], 0.0, b"\x00" * 6), torch.float32, 4, "carries 6 bytes, not 8"),
+        (_frames(KINDS["fp16"], 0.0, b"\x00" * 6), torch.float32, 4, "carry 6 bytes, not 8"),
         (_frames(KINDS["fp16"], 0.0, b"\x00" * 8), torch.int64, 4, "only float32 and float64"),
     ],
 )

@@ -135,10 +135,11 @@ def test_single_byte_corruption_is_caught_or_harmless(position: int, byte: int) 
 
 @pytest.mark.parametrize("secret", [b"", b"s3cret"])
 @pytest.mark.parametrize("error", [False, True])
-def test_encode_reply_equals_the_reply_header(secret: bytes, error: bool) -> None:
-    request = _push(shape=(105,), receipt=True)  # a reply never asks for a receipt itself
-    fast = decode_header(encode_reply(request, 3, secret, 1, 420, error), secret)
-    slow = request.reply(Role.SERVER, 3, error=error, payload_count=1, payload_nbytes=420)
+@pytest.mark.parametrize("compressed", [False, True])
+def test_encode_reply_equals_the_reply_header(secret: bytes, error: bool, compressed: bool) -> None:
+    request = _push(shape=(105,), receipt=True, compressed=True)  # a reply is compressed only when it says so
+    fast = decode_header(encode_reply(request, 3, secret, 1, 420, error, compressed), secret)
+    slow = request.reply(Role.SERVER, 3, error=error, payload_count=1, payload_nbytes=420, compressed=compressed)
     assert fast == replace(slow, timestamp=fast.timestamp)
 
 

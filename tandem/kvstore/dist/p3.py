@@ -222,8 +222,9 @@ class PriorityReceive:
     def send(self, peer: bytes, header: Any, payloads: Any = ()) -> None:
         self.inner.send(peer, header, payloads)
 
-    def reply(self, peer: bytes, request: Any, rank: int, payloads: Any = (), error: bool = False) -> None:
-        self.inner.reply(peer, request, rank, payloads, error)
+    def reply(self, peer: bytes, request: Any, rank: int, payloads: Any = (), error: bool = False,
+              compressed: bool = False) -> None:  # fmt: skip
+        self.inner.reply(peer, request, rank, payloads, error, compressed)
 
     def close(self) -> None:
         self.inner.close()

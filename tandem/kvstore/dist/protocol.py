@@ -207,7 +207,7 @@ def encode_header(header: Header, secret: bytes = b"", payload_count: int | None
 
 
 def encode_reply(request: Header, rank: int, secret: bytes, payload_count: int = 0, payload_nbytes: int = 0,
-                 error: bool = False) -> bytes:  # fmt: skip
+                 error: bool = False, compressed: bool = False) -> bytes:  # fmt: skip
     """A server's response header to ``request`` (same command, id, key and slice) in one step.
 
     Equivalent to ``encode_header(request.reply(Role.SERVER, rank, error=error), ...)`` without
@@ -215,10 +215,11 @@ def encode_reply(request: Header, rank: int, secret: bytes, payload_count: int =
     decoded from an unsigned frame are packed once and kept (``decode_header``).
     """
     replies = request.__dict__.get("_replies")
-    shape = (rank, payload_count, payload_nbytes, error)
+    shape = (rank, payload_count, payload_nbytes, error, compressed)
     body = None if replies is None else replies.get(shape)
     if body is None:
-        body = _pack(request.command, _RESPONSE | (_ERROR if error else 0), Role.SERVER, rank, request.priority,
+        flags = _RESPONSE | (_ERROR if error else 0) | (_COMPRESSED if compressed else 0)
+        body = _pack(request.command, flags, Role.SERVER, rank, request.priority,
                      request.key, request.dtype, request.shape, request.slice_start, request.slice_stop,
                      payload_count, payload_nbytes)  # fmt: skip
         if replies is not None:

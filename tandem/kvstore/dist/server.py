@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tandem.kvstore import compression
+from tandem.kvstore.compression import GradientCompression
 from tandem.kvstore.dist.protocol import (
     Command,
     Header,
@@ -60,7 +61,8 @@ class _WorkerState:
     gone: bool = False  # said goodbye: silence is expected now
 
 
-_Push = tuple[torch.Tensor, Any]  # a pushed value and the received frame it views (None if not one)
+# a pushed value, the received frame it views (None if not one), how it was compressed (None if not)
+_Push = tuple[torch.Tensor, Any, GradientCompression | None]
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Server:
         self.address = ServerAddress(public_endpoint(options.bind_addr, self.transport.port))
         self.workers: dict[int, _WorkerState] = {}
         self.rounds: dict[SlotId, _Rounds] = {}
+        self.residuals: dict[SlotId, torch.Tensor] = {}  # see _compress_value
         self.barrier: dict[int, tuple[bytes, Header]] = {}
         self.rejected = 0
         self._handlers: dict[Command, Callable[[bytes, Message], None]] = {
@@ -266,11 +269,11 @@ class Server:
                 decoded = compression.decode(message.payloads, header.dtype, header.slice_numel)
             except ProtocolError as error:
                 raise RemoteError(f"{header.describe()}: {error}") from None
-            return self._slot_id(header), (decoded, None)
+            return self._slot_id(header), (decoded, None, compression.config_of(message.payloads))
         if len(message.payloads) != 1 or header.compressed:
             raise RemoteError(f"{header.describe()} needs exactly one uncompressed payload frame")
         tensor = tensor_from_bytes(message.payloads[0], header.dtype, header.slice_numel)
-        return self._slot_id(header), (tensor, message.frames[0] if message.frames else None)
+        return self._slot_id(header), (tensor, message.frames[0] if message.frames else None, None)
 
     def _init(self, peer: bytes, message: Message) -> None:
         slot_id, push = self._tensor_request(message)
@@ -315,17 +318,39 @@ class Server:
         rounds.pushed[worker] = rounds.pushed.get(worker, 0) + 1
         workers = self.topology.num_workers
         while len(queued) == workers and all(queued.values()):  # keys: ranks below workers (hello checks)
+            pushes = [queued[rank].popleft() for rank in range(workers)]  # rank order: deterministic sums
             if workers == 1:
-                value, frame = queue.popleft()
-                self.table.apply(slot, value, merged_owned=False, frame=frame)
-            else:  # rank order: deterministic sums
-                self.table.apply(slot, _sum([queued[rank].popleft()[0] for rank in range(workers)]), merged_owned=True)
+                self.table.apply(slot, pushes[0][0], merged_owned=False, frame=pushes[0][1])
+            else:
+                self.table.apply(slot, _sum([push[0] for push in pushes]), merged_owned=True)
+            if pushes[0][2] is not None and self.table.optimizer is None:
+                self._compress_value(slot_id, slot, pushes[0][2])
             rounds.applied += 1
         if rounds.waiting_pulls:
             ready = [pull for pull in rounds.waiting_pulls if pull[0] <= rounds.applied]
             rounds.waiting_pulls = [pull for pull in rounds.waiting_pulls if pull[0] > rounds.applied]
             for _, peer, request in ready:
                 self._send_value(slot, peer, request)
+
+    def _compress_value(self, slot_id: SlotId, slot: Slot, config: GradientCompression) -> None:
+        """A sync round of compressed pushes, no optimizer: the sum goes back compressed the same way.
+
+        Why: without an optimizer the pulls carry gradient sums, which tolerate compression as the
+        pushes did, and on a full-duplex link the pulls are the other half of the bytes. Error
+        feedback again, with this server's residual per slot; the value becomes what the frames
+        carry, so every puller (and a later plain pull) gets the same values. A 2bit sum is sent in
+        quanta of ``threshold x workers``: with the pushes' own quantum, workers agreeing on a sign
+        (a sum of 2 quanta) would pile up a backlog in the residual, one quantum per step.
+        """
+        if config.type == "2bit":
+            config = GradientCompression("2bit", config.threshold * self.topology.num_workers)
+        residual = self.residuals.get(slot_id)
+        if residual is None or residual.shape != slot.value.shape or residual.dtype != slot.value.dtype:
+            residual = self.residuals[slot_id] = torch.zeros_like(slot.value)
+        residual.add_(slot.value)
+        frames = compression.frames_of(config, compression.encode_into_residual(config, residual))
+        slot.value, slot.owned, slot.frame = compression.decode(frames, residual.dtype, residual.numel()), True, None
+        slot.compressed = frames
 
     def _answer_pull(self, slot_id: SlotId, slot: Slot, peer: bytes, request: Header) -> None:
         rounds = self.rounds.get(slot_id) if self.options.sync else None
@@ -358,6 +383,9 @@ class Server:
         if request.command is Command.TAKE:
             self._send_taken(self._slot_id(request), peer, request)
             return
+        if slot.compressed is not None:
+            self.transport.reply(peer, request, self.rank, slot.compressed, compressed=True)
+            return
         if self.table.optimizer is not None:
             # updated in place by the next round: send a copy (copy=True: pyzmq's default shares
             # buffers from 64 KB up, and the reply could then carry the next round's values). A copy
@@ -375,6 +403,7 @@ class Server:
             return
         slot = self.table.take(slot_id)
         self.rounds.pop(slot_id, None)
+        self.residuals.pop(slot_id, None)  # what the slot's compressed replies left out goes with it (< a quantum)
         self._reply(peer, request, state_payloads(slot.value, slot.state))  # the slot is gone: no copy needed
 
     def _set_optimizer(self, peer: bytes, message: Message) -> None:
@@ -407,6 +436,7 @@ class Server:
         """Payload: the directory (answered: the note saved with the checkpoint)."""
         note = self.table.load(_text_payload(message), self._checkpoint_name(), self._checkpoint_meta())
         self.rounds.clear()  # a restore happens between steps: no round is half-merged
+        self.residuals.clear()
         self._reply(peer, message.header, [memoryview(note.encode())])
 
 

@@ -123,9 +123,10 @@ class ServerTransport(_Endpoint):
         send only memory that nobody changes (a received frame, a tensor rebound rather than updated)."""
         self._send(peer, self._head(header, payloads), payloads)
 
-    def reply(self, peer: bytes, request: Header, rank: int, payloads: Sequence[Any] = (), error: bool = False) -> None:
+    def reply(self, peer: bytes, request: Header, rank: int, payloads: Sequence[Any] = (), error: bool = False,
+              compressed: bool = False) -> None:  # fmt: skip
         """Answer ``request`` (``send`` of its response header, built in one step)."""
-        head = encode_reply(request, rank, self.secret, len(payloads), payload_size(payloads), error)
+        head = encode_reply(request, rank, self.secret, len(payloads), payload_size(payloads), error, compressed)
         self._send(peer, head, payloads)
 
     def _send(self, peer: bytes, head: bytes, payloads: Sequence[Any]) -> None:

@@ -21,13 +21,14 @@ import torch
 
 from tandem.env import knob
 from tandem.kvstore.base import Handle, Key, KVStore, Receiver, normalize, reduce_sum
+from tandem.kvstore import compression
 from tandem.kvstore.compression import COMPRESSIBLE, Compressor, GradientCompression
 from tandem.kvstore.dist.client import Client, message_text
 from tandem.kvstore.dist.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.dist.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
 from tandem.kvstore.dist.server import hello_info
 from tandem.kvstore.dist.topology import DistOptions, Topology, connect_store, server_addresses
-from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, ProtocolError
 from tandem.kvstore.slots import optimizer_to_json
 
 CACHE_LIMIT = 65536  # request headers and plans remembered (a job has a few per key)
@@ -291,6 +292,12 @@ def _receiver(
 
 def _copy_value(message: Message, target: torch.Tensor, server: int) -> None:
     """A reply's value into ``target`` (flat), where the receiver could not land it there in place."""
+    if message.header.compressed:  # a sum of compressed pushes, compressed back (the server's _compress_value)
+        try:
+            target.copy_(compression.decode(message.payloads, target.dtype, target.numel()))
+        except ProtocolError as error:
+            raise KVStoreError(f"server {server} answered with bad compressed values: {error}") from None
+        return
     if len(message.payloads) != 1:
         raise KVStoreError(f"server {server} answered without a value payload")
     target.copy_(tensor_from_bytes(message.payloads[0], target.dtype, target.numel()))
