@@ -15,9 +15,11 @@ Kinds (``{"type": ..., "threshold": ...}``):
   range first: what overflows stays in the residual instead of becoming ``inf``).
 
 Only pushed values of float32 and float64 keys are compressed (pushes and pushpulls, never
-``init``); pulls and replies carry full values, as in MXNet. Servers need no setting: a compressed
-push says so in its header (``Flag.COMPRESSED``) and carries a descriptor frame (kind, threshold)
-before the data, so workers may even differ.
+``init``). Servers need no setting: a compressed push says so in its header (``Flag.COMPRESSED``)
+and carries a descriptor frame (kind, threshold) before the data, so workers may even differ.
+Pulls carry full values, as in MXNet, except where they carry gradient sums (a sync round without
+a server-side optimizer): the server then compresses the sum back the same way, with its own
+residual (``Server._compress_value``), and the reply says so in its header too.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ KINDS = {"2bit": 1, "fp16": 2, "bf16": 3}  # the wire's kind codes
 _NAMES = {code: name for name, code in KINDS.items()}
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _FP16_MAX = float(torch.finfo(torch.float16).max)
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 COMPRESSIBLE = frozenset({torch.float32, torch.float64})
 DESCRIPTOR = struct.Struct("<B3xf")  # kind code, threshold (2bit; 0 otherwise)
 
@@ -53,11 +56,12 @@ class GradientCompression:
     def __post_init__(self) -> None:
         if self.type != "none" and self.type not in KINDS:
             raise KVStoreError(f"unknown gradient compression {self.type!r}; choose 'none' or one of {sorted(KINDS)}")
-        threshold = float(self.threshold)
-        if math.isfinite(threshold) and abs(threshold) < 3e38:  # what the wire carries: the worker subtracts the same
-            threshold = struct.unpack("<f", struct.pack("<f", threshold))[0]
-        if not (math.isfinite(threshold) and threshold > 0):
-            raise KVStoreError(f"gradient compression threshold must be a positive number, got {self.threshold}")
+        threshold = self.threshold
+        if not (isinstance(threshold, int | float) and 0 < threshold <= _FLOAT32_MAX):  # False for nan
+            raise KVStoreError(f"gradient compression threshold must be a positive float32, got {self.threshold!r}")
+        threshold = struct.unpack("<f", struct.pack("<f", threshold))[0]  # what the wire carries
+        if threshold == 0:
+            raise KVStoreError(f"gradient compression threshold {self.threshold!r} is 0 in float32")
         object.__setattr__(self, "threshold", threshold)  # frozen: set once, here
 
     @property
@@ -85,7 +89,7 @@ class GradientCompression:
                 raise KVStoreError(f"gradient compression {params!r}: the threshold after ':' must be a number") from None
         if not isinstance(params, dict) or set(params) - {"type", "threshold"}:
             raise KVStoreError(f"gradient compression takes {{'type': ..., 'threshold': ...}}, got {params!r}")
-        return cls(str(params.get("type", "none")), float(params.get("threshold", 0.5)))
+        return cls(str(params.get("type", "none")), params.get("threshold", 0.5))
 
 
 class Compressor:

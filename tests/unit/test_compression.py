@@ -84,8 +84,11 @@ def test_parse_forms_and_errors() -> None:
     assert GradientCompression("2bit", 0.1).threshold == struct.unpack("<f", struct.pack("<f", 0.1))[0]
     with pytest.raises(KVStoreError, match="unknown gradient compression '3bit'"):
         GradientCompression.parse("3bit")
-    with pytest.raises(KVStoreError, match="threshold must be a positive number"):
-        GradientCompression("2bit", -1.0)
+    for bad in (-1.0, 0, float("nan"), float("inf"), 1e39, "0.5"):
+        with pytest.raises(KVStoreError, match="threshold must be a positive float32"):
+            GradientCompression("2bit", bad)  # type: ignore[arg-type]
+    with pytest.raises(KVStoreError, match="is 0 in float32"):
+        GradientCompression("2bit", 1e-50)
     with pytest.raises(KVStoreError, match="must be a number"):
         GradientCompression.parse("2bit:high")
     with pytest.raises(KVStoreError, match="takes"):

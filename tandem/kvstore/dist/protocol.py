@@ -74,7 +74,7 @@ class Flag(IntFlag):
     ERROR = 2
     SIGNED = 4
     RECEIPT = 8  # worker -> P3 server: announce RECEIVED if this request has to wait for other workers
-    COMPRESSED = 16  # the pushed value travels compressed: a descriptor frame, then the data (see compression)
+    COMPRESSED = 16  # the value (a push's, or a reply's) travels compressed: a descriptor frame, then the data
 
 
 class Role(IntEnum):
@@ -124,7 +124,7 @@ class Header:
     payload_nbytes: int = 0
     timestamp: float = field(default_factory=time.time)
     receipt: bool = False  # asks for a RECEIVED notice (see Flag.RECEIPT)
-    compressed: bool = False  # the pushed value is compressed (see Flag.COMPRESSED)
+    compressed: bool = False  # the value is compressed (see Flag.COMPRESSED)
 
     @property
     def slice_numel(self) -> int:
