@@ -106,6 +106,10 @@ def test_compressed_pushes_equal_a_local_replay_of_every_workers_quantizer(
     assert len(worker_lines(output, "== local replay")) == 2, output
 
 
+def test_malformed_compressed_pushes_give_clear_errors(tmp_path: Path) -> None:
+    _run("compressed-errors", "dist_sync", 1, 1, tmp_path)
+
+
 def test_take_and_put_misused_give_clear_errors(tmp_path: Path) -> None:
     _run("slot-errors", "dist_sync", 2, 1, tmp_path)
 
@@ -339,6 +343,36 @@ def _compressed(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-un
     return {}
 
 
+def _compressed_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Malformed compressed pushes: each a clear error to the caller, and the server keeps serving (1 worker)."""
+    from tandem.kvstore.compression import DESCRIPTOR, KINDS
+    from tandem.kvstore.dist.protocol import Command, Header, Role
+    from tandem.kvstore.errors import RemoteError
+
+    kv.init("w", torch.zeros(10))
+    header = Header(Command.PUSH, 0, Role.WORKER, rank, key="w", dtype=torch.float32, shape=(10,), slice_stop=10,
+                    compressed=True)  # fmt: skip
+    two_bit = DESCRIPTOR.pack(KINDS["2bit"], 0.5)
+    cases = {
+        "carry 2 bytes, not 3": [two_bit, b"\0\0"],
+        "unknown gradient compression code 9": [DESCRIPTOR.pack(9, 0.5), b"\0\0\0"],
+        "unused code 3": [two_bit, b"\xff\0\0"],
+        "descriptor frame and a data frame": [b"\0\0\0"],
+    }
+    for problem, frames in cases.items():
+        try:
+            kv._client.call(0, header, [memoryview(frame) for frame in frames], 30)
+        except RemoteError as error:
+            assert problem in str(error) and "push of key 'w'" in str(error), (problem, error)
+        else:
+            raise AssertionError(f"a compressed push with {frames} was accepted; expected {problem!r}")
+    kv.set_gradient_compression("fp16")
+    out = torch.empty(10)
+    kv.pushpull("w", torch.full((10,), 0.5), out=out).wait(timeout=60)
+    assert torch.equal(out, torch.full((10,), 0.5)), out  # no optimizer: the sum, exact in fp16
+    return {}
+
+
 def _slot_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """TAKE and PUT misused: each a clear error to the caller, and the server keeps serving (2 workers)."""
     from tandem.kvstore.dist.protocol import Command, Header, Role, state_payloads
@@ -432,6 +466,7 @@ def main(mode: str, kind: str, out: str) -> None:
         "auto-optimizer": _auto_optimizer,
         "slot-errors": _slot_errors,
         "compressed": _compressed,
+        "compressed-errors": _compressed_errors,
         "auto-lamb": _auto_lamb,
         "opposite": _opposite,
         "launched": _launched,
