@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,8 +132,8 @@ def encode_into_residual(config: GradientCompression, total: torch.Tensor) -> to
     if config.type == "2bit":
         threshold = config.threshold
         positive, negative = total >= threshold, total <= -threshold
-        codes = positive.to(torch.uint8) + negative.to(torch.uint8) * 2  # 0: zero, 1: +threshold, 2: -threshold
-        total.sub_((positive.to(total.dtype) - negative.to(total.dtype)) * threshold)
+        codes = positive.view(torch.uint8) | (negative.view(torch.uint8) << 1)  # 0: zero, 1: +threshold, 2: -threshold
+        total.add_(negative.to(total.dtype), alpha=threshold).sub_(positive.to(total.dtype), alpha=threshold)
         return _pack_2bit(codes)
     if config.type == "fp16":
         sent = total.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)  # overflow stays in the residual
@@ -191,13 +192,20 @@ def _pack_2bit(codes: torch.Tensor) -> torch.Tensor:
     padding = -codes.numel() % 4
     if padding:
         codes = torch.cat([codes, codes.new_zeros(padding)])
+    if sys.byteorder == "little":  # the four codes of a byte as one int32 c0 | c1 << 8 | ...: fold in two shifts
+        word = codes.view(torch.int32)
+        word = word | (word >> 6)  # bits 0-3: c0 c1, bits 16-19: c2 c3
+        return (word | (word >> 12)).to(torch.uint8)  # bits 0-7: c0 c1 c2 c3 (the cast keeps the low byte)
     quads = codes.view(-1, 4)
     return quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
 
 
+# every byte's four codes (a byte with the unused code 3 is refused before this table is read)
+_BYTE_CODES = torch.tensor([[(byte >> shift) & 3 for shift in (0, 2, 4, 6)] for byte in range(256)])
+
+
 def _unpack_2bit(packed: torch.Tensor, threshold: float, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    codes = torch.stack([packed & 3, (packed >> 2) & 3, (packed >> 4) & 3, packed >> 6], dim=1).view(-1)[:numel]
-    if bool((codes == 3).any()):
+    if bool(((packed & (packed >> 1)) & 0x55).any()):
         raise ProtocolError("2bit values carry the unused code 3")
-    table = torch.tensor([0.0, threshold, -threshold], dtype=dtype)
-    return table[codes.long()]
+    values = torch.tensor([0.0, threshold, -threshold, 0.0], dtype=dtype)[_BYTE_CODES]  # byte -> its 4 values
+    return torch.index_select(values, 0, packed.long()).view(-1)[:numel]  # one gather of 4 values per byte

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import sys
 
 import pytest
 import torch
@@ -124,3 +125,16 @@ def test_only_distributed_stores_compress() -> None:
         LocalKVStore().set_gradient_compression("2bit")
     with pytest.raises(ValueError, match="needs a distributed kvstore"):
         TrainerConfig(gradient_compression="2bit")
+
+
+def test_2bit_packing_is_the_same_on_either_byte_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path folds four codes as one little-endian int32; the generic one shifts bytes."""
+    from tandem.kvstore import compression
+
+    codes = torch.randint(0, 3, (1001,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    fast = compression._pack_2bit(codes)
+    monkeypatch.setattr(sys, "byteorder", "big")
+    assert torch.equal(compression._pack_2bit(codes), fast)
+    expected = torch.cat([codes, codes.new_zeros(3)]).view(-1, 4)
+    assert torch.equal(fast, expected[:, 0] | expected[:, 1] << 2 | expected[:, 2] << 4 | expected[:, 3] << 6)
+    assert torch.equal(compression._unpack_2bit(fast, 1.0, 1001, torch.float32), torch.tensor([0.0, 1.0, -1.0])[codes.long()])
