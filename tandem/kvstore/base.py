@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from tandem.env import knob
+from tandem.kvstore.compression import GradientCompression
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
 
 Key = int | str
@@ -259,7 +260,7 @@ class KVStore(ABC):
     def set_gradient_compression(self, params: Any) -> None:
         """Compress pushed gradients (``{"type": "2bit", "threshold": 0.5}``, "fp16", "bf16"; see
         ``tandem.kvstore.compression``). Only distributed stores compress: bytes cost nothing here."""
-        if params is None or params == "none" or (isinstance(params, dict) and params.get("type", "none") == "none"):
+        if not GradientCompression.parse(params).enabled:
             return
         raise KVStoreError(f"the {self.kind} kvstore does not compress gradients (no network to save); "
                            f"use a dist_* kvstore, or drop the compression setting")  # fmt: skip

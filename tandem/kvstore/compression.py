@@ -171,11 +171,14 @@ def decode(payloads: Sequence[memoryview], dtype: torch.dtype, numel: int) -> to
 
     Raises ``ProtocolError`` naming the problem for frames no ``Compressor`` makes.
     """
-    config = config_of(payloads)
+    return decode_data(config_of(payloads), payloads[1], dtype, numel)
+
+
+def decode_data(config: GradientCompression, data: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """``decode`` of the data frame, for a caller that already read the descriptor (``config_of``)."""
     kind, threshold = config.type, config.threshold
     if dtype not in COMPRESSIBLE:
         raise ProtocolError(f"{kind} values of a {dtype} key: only float32 and float64 keys are compressed")
-    data = payloads[1]
     if kind == "2bit":
         if data.nbytes != (numel + 3) // 4:
             raise ProtocolError(f"2bit values of {numel} elements carry {data.nbytes} bytes, not {(numel + 3) // 4}")

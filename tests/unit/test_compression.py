@@ -120,7 +120,8 @@ def test_malformed_frames_are_rejected_with_the_reason(
 
 
 def test_only_distributed_stores_compress() -> None:
-    LocalKVStore().set_gradient_compression(None)  # "no compression" is fine anywhere
+    LocalKVStore().set_gradient_compression(None)  # "no compression" is fine anywhere, in every form
+    LocalKVStore().set_gradient_compression(GradientCompression())
     with pytest.raises(KVStoreError, match="use a dist_\\* kvstore"):
         LocalKVStore().set_gradient_compression("2bit")
     with pytest.raises(ValueError, match="needs a distributed kvstore"):

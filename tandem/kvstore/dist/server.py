@@ -266,10 +266,11 @@ class Server:
             return self._slot_id(header), None
         if header.compressed and header.command in (Command.PUSH, Command.PUSHPULL):
             try:  # decoded into a tensor of its own (no received frame behind it)
-                decoded = compression.decode(message.payloads, header.dtype, header.slice_numel)
+                config = compression.config_of(message.payloads)
+                decoded = compression.decode_data(config, message.payloads[1], header.dtype, header.slice_numel)
             except ProtocolError as error:
                 raise RemoteError(f"{header.describe()}: {error}") from None
-            return self._slot_id(header), (decoded, None, compression.config_of(message.payloads))
+            return self._slot_id(header), (decoded, None, config)
         if len(message.payloads) != 1 or header.compressed:
             raise RemoteError(f"{header.describe()} needs exactly one uncompressed payload frame")
         tensor = tensor_from_bytes(message.payloads[0], header.dtype, header.slice_numel)
