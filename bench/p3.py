@@ -55,7 +55,7 @@ KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "p3-a
 RATES = ("100mbit", "1gbit", "none")
 WORKERS, SERVERS = 2, 2
 WARMUP_STEPS = 3
-AUTO_WARMUP_STEPS = 200  # enough for the tuner: 6 warm-up, then 8-12 points of >= 4 iterations and >= 0.5 s each
+AUTO_WARMUP_STEPS = 300  # enough for the tuner: 6 warm-up, then 10-17 points of >= 4 iterations and >= 0.5 s each
 JOB_TIMEOUT = 300
 MARK = "P3BENCH "
 

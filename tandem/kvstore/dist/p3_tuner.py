@@ -7,11 +7,12 @@ and every knob is a small ordered grid with a single broad optimum, so a coordin
 enough: measure the start point; walk the slice-size grid up while iteration time improves by more
 than ``tolerance`` or stays within it (going on past one point that does not: scores are noisy;
 ties go to bigger slices, which send fewer requests), else down; then the same for the water
-mark at the chosen slice size. Each point runs ``steps_per_trial`` iterations, and more where
+mark at the chosen slice size (ties go to higher marks: fewer notices and sender wake-ups). Each point runs ``steps_per_trial`` iterations, and more where
 they are short (enough for ``min_trial_seconds`` at the warm-up's pace, agreed over workers: on
 a loaded machine a 50 ms iteration varies by more than the tolerance), and scores the median of
-all but the first (which still carries traffic of the previous point). Typically 8-12 points (the
-send timing adds two), i.e. 90-140 iterations of 50 ms or 40-55 of 300 ms, then fixed.
+all but the first (which still carries traffic of the previous point). Typically 10-17 points (the
+send timing adds four, with the best point scored again before each later walk), i.e. 130-220
+iterations of 50 ms or 45-75 of 300 ms, then fixed.
 
 A trainer may also let it choose *when* gradients leave (``tune_send_timing``): during backward,
 as each segment ends (P3's point: overlap), or all at once after backward. Overlap only pays
@@ -44,7 +45,11 @@ class Config(NamedTuple):
     after_backward: bool = False  # gradients leave after backward, not as each segment ends
 
 SLICE_SIZES = (5_000, 10_000, 20_000, 40_000, 80_000, 160_000, 320_000)
-WATER_MARKS = (1, 2, 4, 10, 20, 40)
+# up to more requests than a step of the bench's models sends at >= 20k slices (resnet: ~90):
+# where nothing needs overtaking (a fast link), a cap that never binds saves the RECEIVED notices
+# and the sender thread's hops (resnet unshaped, 320k slices, held: step/compute 1.30 at 40,
+# 1.26 at 1000, baseline 1.21; 5 interleaved jobs)
+WATER_MARKS = (1, 2, 4, 10, 20, 40, 80, 160)
 DEFAULT_SLICE_SIZE = 40_000  # MXNet's MXNET_KVSTORE_SLICE_THRESHOLD: where the search starts
 
 
@@ -53,7 +58,8 @@ def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], toler
     """Yields points to measure, receives their cost, returns the best point; one pass per axis (see ``order``).
 
     ``order``: the axes to walk, in turn (default: each once, in order); an axis may come again,
-    to be walked anew from where the others ended.
+    to be walked anew from where the others ended. Each walk after the first starts by measuring
+    the best point again: later points are compared with that fresh score.
 
     Along an axis the walk goes on past up to ``patience`` points in a row that do not improve:
     measured costs are noisy, and one unlucky score must not end a walk toward a much better point.
@@ -66,7 +72,11 @@ def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], toler
     """
     best = list(start)
     best_cost = yield tuple(axis[index] for axis, index in zip(axes, best))
-    for axis in order or range(len(axes)):
+    for walk, axis in enumerate(order or range(len(axes))):
+        if walk:
+            # score the incumbent again before each later walk, and compare with that score: one
+            # lucky score (or a quiet phase of the machine) would otherwise outrank every later point
+            best_cost = yield tuple(grid[i] for grid, i in zip(axes, best))
         origin = best[axis]
         for step in (1, -1):
             improved, misses = False, 0
@@ -186,13 +196,14 @@ class AutoTuner:
             axes = (self.timings, self.slice_sizes, self.water_marks)  # timing first: the best slicing depends on it
             start = (self.timings.index(self.start.after_backward), self.slice_sizes.index(self.start.slice_size),
                      self.water_marks.index(self.start.water_mark))  # fmt: skip
-            # ties go to bigger slices: as fast, and fewer requests (on a fast link, less CPU). The
+            # ties go to bigger slices: as fast, and fewer requests (on a fast link, less CPU); and to
+            # higher water marks: as fast, and fewer RECEIVED notices and sender wake-ups. The
             # timing is walked again once the slicing is chosen: where the CPU is the bottleneck the
             # two timings score close at the start's small slices, and far apart at the big ones
             # chosen then (vgg unshaped, 320k slices: 48-51 ms per step during backward, 43-46 ms
             # after); the water mark comes last, for the timing chosen (holding sends every
             # gradient at once, so the cap matters more)
-            self._search = coordinate_search(axes, start, self.tolerance, ties_up=(False, True, False),
+            self._search = coordinate_search(axes, start, self.tolerance, ties_up=(False, True, True),
                                              order=(0, 1, 0, 2) if len(self.timings) > 1 else ())  # fmt: skip
             self._switch(next(self._search))
             return
