@@ -7,12 +7,14 @@ and every knob is a small ordered grid with a single broad optimum, so a coordin
 enough: measure the start point; walk the slice-size grid up while iteration time improves by more
 than ``tolerance`` or stays within it (going on past one point that does not: scores are noisy;
 ties go to bigger slices, which send fewer requests), else down; then the same for the water
-mark at the chosen slice size (ties go to higher marks: fewer notices and sender wake-ups). Each point runs ``steps_per_trial`` iterations, and more where
-they are short (enough for ``min_trial_seconds`` at the warm-up's pace, agreed over workers: on
-a loaded machine a 50 ms iteration varies by more than the tolerance), and scores the median of
-all but the first (which still carries traffic of the previous point). Typically 10-17 points (the
-send timing adds four, with the best point scored again before each later walk), i.e. 130-220
-iterations of 50 ms or 45-75 of 300 ms, then fixed.
+mark at the chosen slice size (ties go to higher marks: fewer notices and sender wake-ups).
+Each point runs ``steps_per_trial`` iterations, and more where they are short (enough for
+``min_trial_seconds`` at the warm-up's pace, agreed over workers: on a loaded machine a 50 ms
+iteration varies by more than the tolerance), and scores the median of all but the first (which
+still carries traffic of the previous point). Before a walk that follows measured points, the
+best point is scored again (one lucky score must not outrank every later point). Typically 10-17
+points (the send timing adds four), i.e. 130-220 iterations of 50 ms or 45-75 of 300 ms, then
+fixed.
 
 A trainer may also let it choose *when* gradients leave (``tune_send_timing``): during backward,
 as each segment ends (P3's point: overlap), or all at once after backward. Overlap only pays
@@ -58,8 +60,8 @@ def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], toler
     """Yields points to measure, receives their cost, returns the best point; one pass per axis (see ``order``).
 
     ``order``: the axes to walk, in turn (default: each once, in order); an axis may come again,
-    to be walked anew from where the others ended. Each walk after the first starts by measuring
-    the best point again: later points are compared with that fresh score.
+    to be walked anew from where the others ended. A walk that follows measured points starts by
+    measuring the best point again: later points are compared with that fresh score.
 
     Along an axis the walk goes on past up to ``patience`` points in a row that do not improve:
     measured costs are noisy, and one unlucky score must not end a walk toward a much better point.
@@ -72,11 +74,13 @@ def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], toler
     """
     best = list(start)
     best_cost = yield tuple(axis[index] for axis, index in zip(axes, best))
-    for walk, axis in enumerate(order or range(len(axes))):
-        if walk:
-            # score the incumbent again before each later walk, and compare with that score: one
+    fresh = True  # nothing measured since the best point's score
+    for axis in order or range(len(axes)):
+        if not fresh:
+            # score the best point again before the next walk, and compare with that score: one
             # lucky score (or a quiet phase of the machine) would otherwise outrank every later point
             best_cost = yield tuple(grid[i] for grid, i in zip(axes, best))
+        fresh = True
         origin = best[axis]
         for step in (1, -1):
             improved, misses = False, 0
@@ -85,6 +89,7 @@ def coordinate_search(axes: Sequence[Sequence[int]], start: Sequence[int], toler
                 trial = best.copy()
                 trial[axis] = index
                 cost = yield tuple(grid[i] for grid, i in zip(axes, trial))
+                fresh = False
                 better = cost < best_cost * (1 - tolerance)
                 tie = step == 1 and axis < len(ties_up) and ties_up[axis] and cost <= best_cost * (1 + tolerance)
                 if better or tie:
