@@ -109,11 +109,7 @@ class Compressor:
     def encode(self, key: Key, flat: torch.Tensor, start: int, stop: int) -> list[memoryview]:
         """The frames carrying elements ``[start, stop)`` of the flat value ``flat`` pushed to ``key``;
         the key's residual over those elements becomes what the frames leave out."""
-        residual = self._residuals.get(key)
-        if residual is None or residual.numel() != flat.numel() or residual.dtype != flat.dtype:
-            residual = self._residuals[key] = torch.zeros(flat.numel(), dtype=flat.dtype)
-        total = residual[start:stop]
-        total.add_(flat[start:stop])  # in place: the residual now holds gradient + what was left out before
+        total = add_to_residual(self._residuals, key, flat, start, stop)
         return frames_of(self.config, encode_into_residual(self.config, total))
 
     def residual(self, key: Key) -> torch.Tensor | None:
@@ -125,6 +121,17 @@ class Compressor:
         residual = self._residuals.pop(old, None)
         if residual is not None:
             self._residuals[new] = residual
+
+
+def add_to_residual(residuals: dict[Any, torch.Tensor], key: Any, flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``residuals[key][start:stop] += flat[start:stop]``, returned as a view (the key's residual is
+    made, zero, where it has none of ``flat``'s size and dtype): gradient plus what was left out before."""
+    residual = residuals.get(key)
+    if residual is None or residual.numel() != flat.numel() or residual.dtype != flat.dtype:
+        residual = residuals[key] = torch.zeros(flat.numel(), dtype=flat.dtype)
+    total = residual[start:stop]
+    total.add_(flat[start:stop])  # in place: the residual holds the sum until encode_into_residual
+    return total
 
 
 def encode_into_residual(config: GradientCompression, total: torch.Tensor) -> torch.Tensor:

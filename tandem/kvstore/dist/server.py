@@ -345,12 +345,10 @@ class Server:
         """
         if config.type == "2bit":
             config = GradientCompression("2bit", config.threshold * self.topology.num_workers)
-        residual = self.residuals.get(slot_id)
-        if residual is None or residual.shape != slot.value.shape or residual.dtype != slot.value.dtype:
-            residual = self.residuals[slot_id] = torch.zeros_like(slot.value)
-        residual.add_(slot.value)
-        frames = compression.frames_of(config, compression.encode_into_residual(config, residual))
-        slot.value, slot.owned, slot.frame = compression.decode(frames, residual.dtype, residual.numel()), True, None
+        numel = slot.value.numel()  # flat
+        total = compression.add_to_residual(self.residuals, slot_id, slot.value, 0, numel)
+        frames = compression.frames_of(config, compression.encode_into_residual(config, total))
+        slot.value, slot.owned, slot.frame = compression.decode_data(config, frames[1], total.dtype, numel), True, None
         slot.compressed = frames
 
     def _answer_pull(self, slot_id: SlotId, slot: Slot, peer: bytes, request: Header) -> None:
