@@ -220,6 +220,11 @@ def _mode_env(mode: str) -> dict[str, str]:
     return auto if mode.partition("+")[0] == "p3-auto" else {}
 
 
+def _chose(tuned: list[Any] | None) -> str:
+    """The tuner's result as the tables show it: slice size, water mark, send timing."""
+    return "not settled" if tuned is None else f"{tuned[0] // 1000}k, {tuned[1]}, {tuned[2]}"
+
+
 def _rate_bits(rate: str) -> float | None:
     from tandem.testing.netns import parse_rate
 
@@ -261,7 +266,7 @@ def main_bench(args: argparse.Namespace) -> None:
                      *(speed[mode] / speed["baseline"] for mode in MODES[1:]),
                      *(relative["baseline"] / relative[mode] for mode in MODES[1:]),
                      ideal, speed["p3"] / ideal, speed["p3-auto"] / ideal, f"{compute * 1e3:.0f} / {wire * 1e3:.0f}",
-                     "not settled" if tuned is None else f"{tuned[0] // 1000}k, {tuned[1]}, {'after' if tuned[2] else 'during'}"])  # fmt: skip
+                     _chose(tuned)])  # fmt: skip
     bar.close()
     headers = ["model", "link", *MODES, "ddp (gloo)", *(f"{mode}/baseline" for mode in MODES[1:]),
                *(f"{mode}/baseline (per compute)" for mode in MODES[1:]), "ideal", "p3/ideal", "p3-auto/ideal",
@@ -316,7 +321,7 @@ def compression_table(args: argparse.Namespace) -> None:
             tuned, pulled = measured[mode]["tuned"], parameters * 4 / (ratio if args.update == "workers" else 1)
             rows.append([model, rate, mode, f"{parameters * 4 / ratio / 1e6:.2f} / {pulled / 1e6:.2f}", speed,
                          speed * measured["p3-auto"]["seconds"] / batch, speed / ideal,
-                         "not settled" if tuned is None else f"{tuned[0] // 1000}k, {tuned[1]}, {'after' if tuned[2] else 'during'}"])  # fmt: skip
+                         _chose(tuned)])  # fmt: skip
     table = markdown_table(["model", "link", "mode", "MB pushed / pulled per step", "samples/s", "vs p3-auto",
                             "of ideal", "tuner chose"], rows)  # fmt: skip
     note = (f"samples/s, {WORKERS} workers + {SERVERS} servers, updates on the {args.update}, median of {args.runs} "

@@ -6,8 +6,9 @@ Three modes, selectable for comparison (``Trainer(..., communication=...)``):
     segment that finishes it ends (PaddlePaddle's overlap).
   - ``p3``: the same on the ``dist_p3`` store: slices, priority ``-layer_index`` (layers nearest the
     input first), a cap on slices in flight. With ``slice_size="auto"`` the store's tuner may decide
-    to hold the gradients until backward ends (``send_after_backward``), where overlap costs more CPU
-    than it saves wire time; they are then still sent by priority and applied per parameter.
+    to hold the gradients until backward ends (``send_timing``), where overlap costs more CPU than it
+    saves wire time: ``after``, still sent by priority and applied per parameter by the next forward,
+    or ``serial``, one pushpull of them all (in forward order, so by priority) that the step waits for.
 In ``overlap`` and ``p3`` the next forward starts each segment as soon as the parameters *it* reads
 are back: before pushing a forward segment, the executor's gate waits for those parameters' replies
 and pushes one engine op per parameter that writes it (its engine var; a tied parameter goes by its
@@ -71,6 +72,7 @@ class DistributedUpdate:
         self._attached: set[int] = set()
         self._held: list[tuple[str, torch.Tensor]] = []  # gradients kept until backward ends
         self._in_backward = False  # the gate has reached this step's backward segments
+        self._writes_pushed = False  # engine ops writing parameters may be queued (see _apply, _exchange)
 
     @property
     def rank(self) -> int:
@@ -111,7 +113,7 @@ class DistributedUpdate:
     # -- communication ---------------------------------------------------------------------------
     def _send(self, name: str, grad: torch.Tensor) -> None:
         """Gradient hook (engine thread): send this gradient now (or hold it); the reply lands in _received[name]."""
-        if self.mode == "p3" and getattr(self.store, "send_after_backward", False):
+        if self.mode == "p3" and getattr(self.store, "send_timing", "during") != "during":
             self._held.append((name, grad))
             return
         self._pushpull(name, grad)
@@ -158,6 +160,7 @@ class DistributedUpdate:
         if trace.enabled() and waited > 0:
             trace.record(f"wait {name}", trace.now_us() - waited * 1e6, trace.now_us(), category="comm")
         self.engine.push(partial(self._write, name), writes=(self._vars[name],), name=f"apply {name}")
+        self._writes_pushed = True
 
     def _write(self, name: str) -> None:
         """Engine op: the reply becomes the parameter (after this step's readers of it finished)."""
@@ -170,19 +173,40 @@ class DistributedUpdate:
 
     def after_backward(self, result: Any) -> None:
         """After a step: baseline pushes everything, then pulls everything; the others already sent (or held)."""
-        if self.mode != "baseline":
-            held, self._held = self._held, []
-            for name, grad in held:
-                self._pushpull(name, grad)
+        if self.mode == "baseline":
+            self._exchange(self._names, [result.grads[n] for n in self._names], pushpull=False)
             return
-        params = self.trainer._params
-        grads = [self._outgoing(result.grads[n]) for n in self._names]
-        self.store.push(self._names, grads)
-        if self.trainer.config.update_on_kvstore:
-            self.store.pull(self._names, [params[n].data for n in self._names]).wait()
+        held, self._held = dict(self._held), []
+        if getattr(self.store, "send_timing", "during") == "serial":
+            names = [n for n in self._names if n in held]  # forward order: by priority, on one call's FIFO
+            self._exchange(names, [held[n] for n in names], pushpull=True)
+            return
+        for name, grad in held.items():
+            self._pushpull(name, grad)
+
+    def _exchange(self, names: list[str], grads: list[torch.Tensor], pushpull: bool) -> None:
+        """Send ``grads`` in one call and wait (driving: this thread receives the replies) until the
+        parameters hold the result: the synchronous step (``baseline``, and p3's ``serial`` timing)."""
+        if not names:
+            return
+        if self._writes_pushed:  # a reply applied through the engine may not be written yet (after a timing switch)
+            for var in self._vars.values():
+                self.engine.wait(var)
+            self._writes_pushed = False
+        params, on_servers = self.trainer._params, self.trainer.config.update_on_kvstore
+        targets = [params[n].data if on_servers else self._received[n] for n in names]
+        outgoing = [self._outgoing(grad) for grad in grads]
+        start = trace.now_us()
+        if pushpull:
+            handle = self.store.pushpull(names, outgoing, out=targets)
         else:
-            self.store.pull(self._names, [self._received[n] for n in self._names]).wait()
-            self.trainer._update_some(self._names, {n: self._received[n] / self.num_workers for n in self._names})
+            self.store.push(names, outgoing)
+            handle = self.store.pull(names, targets)
+        handle.wait()
+        if trace.enabled():
+            trace.record(f"{'pushpull' if pushpull else 'push, pull'} all", start, trace.now_us(), category="comm")
+        if not on_servers:
+            self.trainer._update_some(names, {n: self._received[n] / self.num_workers for n in names})
 
     def flush(self) -> None:
         """Apply every outstanding reply and wait until the parameters are written (before eval/save)."""
@@ -190,6 +214,7 @@ class DistributedUpdate:
             self._apply(name)
         for var in self._vars.values():
             self.engine.wait(var)
+        self._writes_pushed = False
 
     def close(self) -> None:
         self.flush()

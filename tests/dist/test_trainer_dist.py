@@ -41,9 +41,10 @@ def test_two_workers_equal_one_process(kind: str, mode: str, update_on_kvstore: 
 @pytest.mark.parametrize("model", ["resnet", "lstm_lm"])
 def test_baseline_overlap_and_p3_give_the_same_parameters(model: str, tmp_path: Path) -> None:
     """Sync mode: how gradients travel (all at once, per segment, sliced by priority, held until backward
-    ends) must not change the result."""
+    ends, in one call the step waits for) must not change the result."""
     steps, runs = 10, [("dist_sync", "baseline", "1"), ("dist_sync", "overlap", "1"), ("dist_p3", "p3", "1"),
-                       ("dist_p3", "p3", "0"), ("dist_p3", "p3-after", "1"), ("dist_p3", "p3-auto", "1")]  # fmt: skip
+                       ("dist_p3", "p3", "0"), ("dist_p3", "p3-after", "1"), ("dist_p3", "p3-serial", "0"),
+                       ("dist_p3", "p3-auto", "1")]  # fmt: skip
     results = []
     for kind, mode, update_on_kvstore in runs:
         out = tmp_path / f"{mode}-{update_on_kvstore}"

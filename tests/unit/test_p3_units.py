@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tandem.kvstore.base import Handle
 from tandem.kvstore.dist.p3 import P3Options
 from tandem.kvstore.dist.p3_queue import LanePriorityQueue
-from tandem.kvstore.dist.p3_tuner import SLICE_SIZES, WATER_MARKS, AutoTuner, Config
+from tandem.kvstore.dist.p3_tuner import SEND_TIMINGS, SLICE_SIZES, WATER_MARKS, AutoTuner, Config
 from tandem.kvstore.dist.placement import RoundRobinPlacement
 from tandem.kvstore.errors import KVStoreError
 
@@ -96,7 +96,7 @@ def _run_search(cost: Callable[[Config], float], **options: object) -> AutoTuner
 
 
 def test_tuner_finds_the_best_point_of_a_bowl() -> None:
-    best = (80_000, 4, False)
+    best = (80_000, 4, "during")
 
     def cost(config: Config) -> float:
         slices, marks = SLICE_SIZES.index(config[0]), WATER_MARKS.index(config[1])
@@ -119,30 +119,30 @@ def test_one_lucky_score_of_the_start_does_not_anchor_the_search() -> None:
     scores = iter([0.5] * (AutoTuner.warmup + AutoTuner.steps_per_trial))
 
     def cost(config: Config) -> float:
-        if config == (40_000, 10, False):
+        if config == (40_000, 10, "during"):
             return next(scores, 1.0)
-        return 0.9 if config == (160_000, 10, False) else 1.2
+        return 0.9 if config == (160_000, 10, "during") else 1.2
 
-    assert _run_search(cost, timings=(False, True)).result == (160_000, 10, False)
+    assert _run_search(cost, timings=SEND_TIMINGS).result == (160_000, 10, "during")
 
 
 def test_one_unlucky_score_does_not_end_the_walk() -> None:
     """80k scores no better than 40k (noise), but 160k is much better: the walk goes on past 80k."""
     slice_cost = {40_000: 1.0, 80_000: 1.01, 160_000: 0.8, 320_000: 0.85}
     result = _run_search(lambda config: slice_cost.get(config.slice_size, 1.2) + abs(config.water_mark - 10) / 100).result
-    assert result == (160_000, 10, False)
+    assert result == (160_000, 10, "during")
 
 
 def test_tuner_with_fixed_slicing_tunes_only_the_water_mark() -> None:
     tuner = AutoTuner(lambda config: None, lambda seconds: seconds)
     tuner.fix_slice_size()
     result = _run_search(lambda config: 1.0 + abs(config[1] - 20) / 100, slice_sizes=tuner.slice_sizes).result
-    assert result == (40_000, 20, False)
+    assert result == (40_000, 20, "during")
 
 
 def test_flat_costs_choose_the_biggest_slices_and_the_highest_water_mark() -> None:
     """Equal iteration times: fewer requests, and fewer notices and sender wake-ups, are the cheaper choices."""
-    assert _run_search(lambda config: 1.0).result == (SLICE_SIZES[-1], WATER_MARKS[-1], False)
+    assert _run_search(lambda config: 1.0).result == (SLICE_SIZES[-1], WATER_MARKS[-1], "during")
 
 
 def test_short_iterations_are_scored_over_the_minimum_trial_time() -> None:
@@ -190,7 +190,7 @@ def test_ties_cannot_drift_from_the_best_cost() -> None:
 def test_a_tie_going_up_still_looks_down_for_a_real_improvement() -> None:
     slice_cost = {5_000: 0.95, 10_000: 0.8, 20_000: 0.9, 40_000: 1.0, 80_000: 1.01, 160_000: 1.3, 320_000: 1.3}
     result = _run_search(lambda config: slice_cost[config.slice_size] + abs(config.water_mark - 10) / 100).result
-    assert result == (10_000, 10, False)
+    assert result == (10_000, 10, "during")
 
 
 def test_done_callbacks_run_once_on_success_failure_or_at_once() -> None:
@@ -226,13 +226,13 @@ def test_tuner_chooses_the_send_timing_first_then_tunes_for_it() -> None:
     """A fast link: sending after backward wins, and then bigger slices and a higher water mark do."""
 
     def cost(config: Config) -> float:
-        if not config.after_backward:
-            return 2.0 + 0.1 * SLICE_SIZES.index(config.slice_size)  # overlap: slower, wherever it goes
-        return 1.0 - 0.05 * SLICE_SIZES.index(config.slice_size) - 0.02 * WATER_MARKS.index(config.water_mark)
+        overlap = SEND_TIMINGS.index("serial") - SEND_TIMINGS.index(config.send_timing)
+        # overlap: slower, wherever it goes, the more of it the slower
+        return 1.0 + overlap - 0.05 * SLICE_SIZES.index(config.slice_size) - 0.02 * WATER_MARKS.index(config.water_mark)
 
-    tuner = _run_search(cost, timings=(False, True))
-    assert tuner.history[0][0] == (40_000, 10, False) and tuner.history[1][0] == (40_000, 10, True)
-    assert tuner.result == (SLICE_SIZES[-1], WATER_MARKS[-1], True)
+    tuner = _run_search(cost, timings=SEND_TIMINGS)
+    assert [config for config, _ in tuner.history[:3]] == [(40_000, 10, timing) for timing in SEND_TIMINGS]
+    assert tuner.result == (SLICE_SIZES[-1], WATER_MARKS[-1], "serial")
 
 
 def test_the_send_timing_is_checked_again_at_the_slicing_chosen() -> None:
@@ -241,12 +241,13 @@ def test_the_send_timing_is_checked_again_at_the_slicing_chosen() -> None:
 
     def cost(config: Config) -> float:
         bigger = SLICE_SIZES.index(config.slice_size) - SLICE_SIZES.index(40_000)
-        return 1.0 - 0.04 * bigger * (2.5 if config.after_backward else 1.0)
+        return 1.0 - 0.04 * bigger * (2.5 if config.send_timing == "serial" else 1.0)
 
-    tuner = _run_search(cost, timings=(False, True))
-    assert tuner.history[1][0] == (40_000, 10, True)  # tried at the start, within the tolerance: kept during
-    assert tuner.result == (SLICE_SIZES[-1], WATER_MARKS[-1], True)  # the water mark is flat here: ties go up
+    tuner = _run_search(cost, timings=SEND_TIMINGS)
+    # tried at the start, within the tolerance: kept during
+    assert [config for config, _ in tuner.history[1:3]] == [(40_000, 10, "after"), (40_000, 10, "serial")]
+    assert tuner.result == (SLICE_SIZES[-1], WATER_MARKS[-1], "serial")  # the water mark is flat here: ties go up
     # one more point, scored again before the water mark's walk
-    assert [config for config, _ in tuner.history].count((SLICE_SIZES[-1], 10, True)) == 2
-    water_marks = [config.water_mark for config, _ in tuner.history if config.after_backward]
+    assert [config for config, _ in tuner.history].count((SLICE_SIZES[-1], 10, "serial")) == 2
+    water_marks = [config.water_mark for config, _ in tuner.history if config.send_timing == "serial"]
     assert len(set(water_marks)) > 1  # the water mark is tuned for the timing chosen

@@ -105,15 +105,15 @@ class P3KVStore(DistKVStore):
         # unique per job incarnation (servers' ephemeral ports) and per store (workers create them in step)
         job = zlib.crc32(" ".join(address.endpoint for address in self.addresses).encode())
         self._agreement_prefix = f"p3/tuner/{job:08x}/{next(_STORES_CREATED)}"
-        # Read by the trainer each step: hold this step's gradients until backward ends (the tuner's
-        # choice where overlapping communication with backward costs more CPU than it saves wire time).
-        self.send_after_backward = False
+        # Read by the trainer each step: when its gradients leave (p3_tuner.SEND_TIMINGS; the tuner's
+        # choice: holding them saves CPU where overlap costs more than it saves wire time).
+        self.send_timing = "during"
 
     def _apply(self, config: Config) -> None:
         if config.slice_size != self._live:
             self._move_slots(config.slice_size)
         self.sender.slice_size, self.sender.water_mark = config.slice_size, config.water_mark
-        self.send_after_backward = config.after_backward
+        self.send_timing = config.send_timing
 
     def _move_slots(self, size: int) -> None:
         """Every key from the live slicing to ``size``; the workers split the keys between them."""
@@ -144,8 +144,9 @@ class P3KVStore(DistKVStore):
     def _send_tensors(self, command: Command, items: list[Item], priority: int, what: str) -> Handle:
         if self.tuner is None:
             return super()._send_tensors(command, items, priority, what)
-        if command in (Command.PUSH, Command.PUSHPULL) and items:
-            self.tuner.observe(items[0][0])  # may switch the slicing, moving every key first
+        if command in (Command.PUSH, Command.PUSHPULL):
+            for key, *_ in items:  # the clock key may be anywhere in a call of many (the serial timing's)
+                self.tuner.observe(key)  # may switch the slicing, moving every key first
         return self._sliced(self._live, command, items, priority, what)
 
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:

@@ -12,17 +12,19 @@ Each point runs ``steps_per_trial`` iterations, and more where they are short (e
 ``min_trial_seconds`` at the warm-up's pace, agreed over workers: on a loaded machine a 50 ms
 iteration varies by more than the tolerance), and scores the median of all but the first (which
 still carries traffic of the previous point). Before a walk that follows measured points, the
-best point is scored again (one lucky score must not outrank every later point). Typically 10-17
-points (the send timing adds four), i.e. 130-220 iterations of 50 ms or 45-75 of 300 ms, then
+best point is scored again (one lucky score must not outrank every later point). Typically 10-19
+points (the send timing adds up to six), i.e. 130-220 iterations of 50 ms or 45-75 of 300 ms, then
 fixed.
 
-A trainer may also let it choose *when* gradients leave (``tune_send_timing``): during backward,
-as each segment ends (P3's point: overlap), or all at once after backward. Overlap only pays
-where the link, not the CPU, is the bottleneck: on a fast link, sending during backward makes
-communication threads compete with backward for the cores and stretches the step. That axis is
-searched first, at the start point; then the slice size, for the timing chosen; then the timing
-once more, at that slice size (on a CPU-bound machine the two timings score close at small slices
-and far apart at big ones); then the water mark, for the timing that won.
+A trainer may also let it choose *when* gradients leave (``tune_send_timing``, ``SEND_TIMINGS``):
+during backward, as each segment ends (P3's point: overlap with backward and the next forward);
+all at once after backward, still applied per parameter by the next forward (overlap with the
+forward only); or ``serial``: all at once after backward, the step waiting for every reply (no
+overlap, the least CPU). Overlap only pays where the link, not the CPU, is the bottleneck: on a
+fast link, communication threads compete with compute for the cores and stretch the step. That
+axis is searched first, at the start point; then the slice size, for the timing chosen; then the
+timing once more, at that slice size (on a CPU-bound machine the timings score close at small
+slices and far apart at big ones); then the water mark, for the timing that won.
 
 Every worker must slice the same way, so each score is averaged over workers (``agree``) before
 the search takes a step: all workers then walk the same path. The water mark is per worker: when
@@ -44,7 +46,14 @@ class Config(NamedTuple):
 
     slice_size: int
     water_mark: int
-    after_backward: bool = False  # gradients leave after backward, not as each segment ends
+    send_timing: str = "during"  # one of SEND_TIMINGS
+
+# when a trainer's gradients leave, from the most overlap to none: as each backward segment ends;
+# when backward ends (the next forward still applies them per parameter); when backward ends, the
+# step then waiting for every reply. Unshaped (CPU-bound), 160k slices, water mark 160, medians of
+# step/compute over 4-5 interleaved jobs, two such runs: vgg after 1.73 / 1.73, serial 1.51 /
+# 1.60, baseline 1.59 / 1.57; resnet after 1.26 / 1.27, serial 1.19 / 1.19, baseline 1.24 / 1.21
+SEND_TIMINGS = ("during", "after", "serial")
 
 SLICE_SIZES = (5_000, 10_000, 20_000, 40_000, 80_000, 160_000, 320_000)
 # up to more requests than a step of the bench's models sends at >= 20k slices (resnet: ~90):
@@ -115,7 +124,7 @@ class AutoTuner:
     agree: Callable[[float], float]
     slice_sizes: tuple[int, ...] = SLICE_SIZES
     water_marks: tuple[int, ...] = WATER_MARKS
-    timings: tuple[bool, ...] = (False,)  # after_backward candidates; see tune_send_timing
+    timings: tuple[str, ...] = ("during",)  # send timing candidates (of SEND_TIMINGS); see tune_send_timing
     start: Config = Config(DEFAULT_SLICE_SIZE, 10)
     steps_per_trial: int = 4
     min_trial_seconds: float = 0.5  # short iterations are noisy: points run ~this long (from the warm-up's pace)
@@ -142,7 +151,7 @@ class AutoTuner:
             )
         for name, grid, value in (("slice size", self.slice_sizes, self.start.slice_size),
                                   ("water mark", self.water_marks, self.start.water_mark),
-                                  ("send timing", self.timings, self.start.after_backward)):  # fmt: skip
+                                  ("send timing", self.timings, self.start.send_timing)):  # fmt: skip
             if value not in grid:
                 raise ValueError(f"start {name} {value} is not among the candidates {grid}")
 
@@ -160,10 +169,11 @@ class AutoTuner:
         self.start = self.start._replace(slice_size=self.current.slice_size)
 
     def tune_send_timing(self) -> None:
-        """Also choose between sending during backward and after it (for a caller that can hold gradients)."""
-        if self.timings != (False, True):  # a recaptured step attaches again: idempotent
+        """Also choose when gradients leave (among ``SEND_TIMINGS``, unless ``timings`` already holds a choice;
+        for a caller that can hold gradients and wait)."""
+        if len(self.timings) == 1:  # a recaptured step attaches again: idempotent
             self._before_search("the send timing can only be added")
-            self.timings = (False, True)
+            self.timings = SEND_TIMINGS
 
     def _before_search(self, what: str) -> None:
         if self._search is not None:
@@ -178,11 +188,11 @@ class AutoTuner:
         """Call before each push: the second push of the first key pushed ends an iteration."""
         if self.result is not None:
             return
-        now = self.clock()
         if self._clock_key is None:
             self._clock_key = key
         if key != self._clock_key:
             return
+        now = self.clock()
         if self._last is not None:
             self._iteration_done(now - self._last)
         self._last = self.clock()  # the agreement below must not count as iteration time
@@ -198,13 +208,14 @@ class AutoTuner:
             typical = self.agree(statistics.median(self._samples[1:] or [seconds]))
             self._trial_steps = max(self.steps_per_trial, 1 + math.ceil(self.min_trial_seconds / max(typical, 1e-6)))
             self._samples = []
-            axes = (self.timings, self.slice_sizes, self.water_marks)  # timing first: the best slicing depends on it
-            start = (self.timings.index(self.start.after_backward), self.slice_sizes.index(self.start.slice_size),
+            # timing first (by index: the grid is ordered, by overlap): the best slicing depends on it
+            axes = (tuple(range(len(self.timings))), self.slice_sizes, self.water_marks)
+            start = (self.timings.index(self.start.send_timing), self.slice_sizes.index(self.start.slice_size),
                      self.water_marks.index(self.start.water_mark))  # fmt: skip
             # ties go to bigger slices: as fast, and fewer requests (on a fast link, less CPU); and to
             # higher water marks: as fast, and fewer RECEIVED notices and sender wake-ups. The
             # timing is walked again once the slicing is chosen: where the CPU is the bottleneck the
-            # two timings score close at the start's small slices, and far apart at the big ones
+            # timings score close at the start's small slices, and far apart at the big ones
             # chosen then (vgg unshaped, 320k slices: 48-51 ms per step during backward, 43-46 ms
             # after); the water mark comes last, for the timing chosen (holding sends every
             # gradient at once, so the cap matters more)
@@ -225,7 +236,7 @@ class AutoTuner:
             self.result = self.current
 
     def _switch(self, point: tuple[int, ...]) -> None:
-        config = Config(point[1], point[2], bool(point[0]))
+        config = Config(point[1], point[2], self.timings[point[0]])
         if config != self._current:
             self.apply(config)
         self._current = config

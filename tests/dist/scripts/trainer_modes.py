@@ -1,8 +1,9 @@
 """Trainer(kvstore=...) on real processes: each worker trains on its half of every batch.
 
 Usage: trainer_modes.py KIND MODE UPDATE_ON_KVSTORE OUT_DIR STEPS MODEL
-(MODE ``p3-after``: p3 with gradients held until backward ends, as the tuner may choose; ``p3-auto``:
-the tuner at work, switching often, so the slots move between slicings while training)
+(MODE ``p3-<timing>``: p3 at that send timing (``after``, ``serial``: gradients held until backward
+ends, as the tuner may choose); ``p3-auto``: the tuner at work, switching often, so the slots move
+between slicings, and the send timing changes, while training)
 Writes OUT_DIR/rank{r}.pt with the final parameters and OUT_DIR/report{r}.txt with the step report.
 """
 
@@ -17,18 +18,19 @@ import tandem
 from tandem import models, optim
 
 kind, mode, update_on_kvstore, out, steps, model_name = sys.argv[1:7]
-mode, _, after_backward = mode.partition("-")
+mode, _, timing = mode.partition("-")
 torch.manual_seed(0)
 entry = models.ZOO[model_name]
 module = entry.build(**entry.tiny).double()
 batch = entry.make_batch(8, torch.Generator().manual_seed(1), dtype=torch.float64, **entry.tiny)
 trainer = tandem.Trainer(module, entry.loss_fn, optim.SGD(lr=0.1, momentum=0.9), kvstore=kind, communication=mode,
                          update_on_kvstore=update_on_kvstore == "1", bulk_fwd=3, bulk_bwd=2)
-if after_backward == "auto":
+if timing == "auto":
     tuner = trainer.kvstore.tuner  # type: ignore[union-attr]
     tuner.warmup, tuner.steps_per_trial, tuner.min_trial_seconds = 1, 2, 0.0
-else:
-    trainer.kvstore.send_after_backward = after_backward == "after"  # type: ignore[union-attr]
+    tuner.timings = ("during", "serial")  # two timings: 10 steps then reach the slice sizes' walk
+elif timing:
+    trainer.kvstore.send_timing = timing  # type: ignore[union-attr]
 rank, workers = trainer.rank, trainer.num_workers
 rows = slice(rank * 8 // workers, (rank + 1) * 8 // workers)
 for _ in range(int(steps)):
@@ -37,5 +39,5 @@ trainer.close()
 torch.save(dict(module.named_parameters()), Path(out) / f"rank{rank}.pt")
 report = trainer.train_step.executor.last_report
 Path(out, f"report{rank}.txt").write_text(f"{report.num_segments} {len(report.gradient_ready_s)}")
-slicings = [config.slice_size for config, _ in tuner.history] if after_backward == "auto" else []
+slicings = [config.slice_size for config, _ in tuner.history] if timing == "auto" else []
 print(f"trainer_modes OK rank {rank} mode {mode} slicings {','.join(map(str, slicings))}")
