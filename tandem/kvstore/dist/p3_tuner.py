@@ -21,8 +21,8 @@ during backward, as each segment ends (P3's point: overlap with backward and the
 all at once after backward, still applied per parameter by the next forward (overlap with the
 forward only); or ``serial``: all at once after backward, the step waiting for every reply (no
 overlap, the least CPU). Overlap only pays where the link, not the CPU, is the bottleneck: on a
-fast link, communication threads compete with compute for the cores and stretch the step. That
-axis is searched first, at the start point; then the slice size, for the timing chosen; then the
+fast link, communication threads compete with compute for the cores and stretch the step (ties go
+to less overlap: as fast, and less CPU). That axis is searched first, at the start point; then the slice size, for the timing chosen; then the
 timing once more, at that slice size (on a CPU-bound machine the timings score close at small
 slices and far apart at big ones); then the water mark, for the timing that won.
 
@@ -212,14 +212,16 @@ class AutoTuner:
             axes = (tuple(range(len(self.timings))), self.slice_sizes, self.water_marks)
             start = (self.timings.index(self.start.send_timing), self.slice_sizes.index(self.start.slice_size),
                      self.water_marks.index(self.start.water_mark))  # fmt: skip
-            # ties go to bigger slices: as fast, and fewer requests (on a fast link, less CPU); and to
-            # higher water marks: as fast, and fewer RECEIVED notices and sender wake-ups. The
+            # ties go to less overlap: as fast, and fewer thread hops and engine ops (resnet unshaped
+            # chose 'after' over 'serial' within the tolerance in one of three runs, and reached
+            # 0.93x baseline); to bigger slices: as fast, and fewer requests (on a fast link, less
+            # CPU); and to higher water marks: as fast, and fewer RECEIVED notices and sender wake-ups. The
             # timing is walked again once the slicing is chosen: where the CPU is the bottleneck the
             # timings score close at the start's small slices, and far apart at the big ones
             # chosen then (vgg unshaped, 320k slices: 48-51 ms per step during backward, 43-46 ms
             # after); the water mark comes last, for the timing chosen (holding sends every
             # gradient at once, so the cap matters more)
-            self._search = coordinate_search(axes, start, self.tolerance, ties_up=(False, True, True),
+            self._search = coordinate_search(axes, start, self.tolerance, ties_up=(True, True, True),
                                              order=(0, 1, 0, 2) if len(self.timings) > 1 else ())  # fmt: skip
             self._switch(next(self._search))
             return
