@@ -13,7 +13,7 @@ Each point runs ``steps_per_trial`` iterations, and more where they are short (e
 iteration varies by more than the tolerance), and scores the median of all but the first (which
 still carries traffic of the previous point). Before a walk that follows measured points, the
 best point is scored again (one lucky score must not outrank every later point). Typically 10-19
-points (the send timing adds up to six), i.e. 130-220 iterations of 50 ms or 45-75 of 300 ms, then
+points (the send timing adds up to six), i.e. 130-250 iterations of 50 ms or 45-85 of 300 ms, then
 fixed.
 
 A trainer may also let it choose *when* gradients leave (``tune_send_timing``, ``SEND_TIMINGS``):
@@ -22,9 +22,10 @@ all at once after backward, still applied per parameter by the next forward (ove
 forward only); or ``serial``: all at once after backward, the step waiting for every reply (no
 overlap, the least CPU). Overlap only pays where the link, not the CPU, is the bottleneck: on a
 fast link, communication threads compete with compute for the cores and stretch the step (ties go
-to less overlap: as fast, and less CPU). That axis is searched first, at the start point; then the slice size, for the timing chosen; then the
-timing once more, at that slice size (on a CPU-bound machine the timings score close at small
-slices and far apart at big ones); then the water mark, for the timing that won.
+to less overlap: as fast, and less CPU). That axis is searched first, at the start point; then
+the slice size, for the timing chosen; then the timing once more, at that slice size (on a
+CPU-bound machine the timings score close at small slices and far apart at big ones); then the
+water mark, for the timing that won.
 
 Every worker must slice the same way, so each score is averaged over workers (``agree``) before
 the search takes a step: all workers then walk the same path. The water mark is per worker: when
@@ -215,12 +216,12 @@ class AutoTuner:
             # ties go to less overlap: as fast, and fewer thread hops and engine ops (resnet unshaped
             # chose 'after' over 'serial' within the tolerance in one of three runs, and reached
             # 0.93x baseline); to bigger slices: as fast, and fewer requests (on a fast link, less
-            # CPU); and to higher water marks: as fast, and fewer RECEIVED notices and sender wake-ups. The
-            # timing is walked again once the slicing is chosen: where the CPU is the bottleneck the
-            # timings score close at the start's small slices, and far apart at the big ones
-            # chosen then (vgg unshaped, 320k slices: 48-51 ms per step during backward, 43-46 ms
-            # after); the water mark comes last, for the timing chosen (holding sends every
-            # gradient at once, so the cap matters more)
+            # CPU); and to higher water marks: as fast, and fewer RECEIVED notices and sender
+            # wake-ups. The timing is walked again once the slicing is chosen: where the CPU is the
+            # bottleneck the timings score close at the start's small slices, and far apart at the
+            # big ones chosen then (vgg unshaped, 320k slices: 48-51 ms per step during backward,
+            # 43-46 ms after); the water mark comes last, for the timing chosen (holding sends
+            # every gradient at once, so the cap matters more)
             self._search = coordinate_search(axes, start, self.tolerance, ties_up=(True, True, True),
                                              order=(0, 1, 0, 2) if len(self.timings) > 1 else ())  # fmt: skip
             self._switch(next(self._search))
