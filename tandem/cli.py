@@ -193,9 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="off | all | sqrt | memory-aware | a fraction of peak (0.4) | a size ('300MB')")
     p.add_argument("--bulk-fwd", type=int, default=None, help="forward segment cap (op nodes)")
     p.add_argument("--bulk-bwd", type=int, default=None, help="backward segment cap (op nodes)")
-    p.add_argument("--kvstore", default=None, help="local | dist_sync | dist_async | dist_p3 (under tandem launch)")
+    p.add_argument("--kvstore", default=None, help="local | dist_sync | dist_async | dist_p3 | dist_p3_async (under tandem launch)")
     p.add_argument("--communication", default=None, choices=["auto", "baseline", "overlap", "p3"],
-                   help="how gradients travel with a distributed kvstore (auto: p3 on dist_p3, else overlap)")
+                   help="how gradients travel with a distributed kvstore (auto: p3 on the P3 kinds, else overlap)")
     p.add_argument("--gradient-compression", default=None, metavar="KIND[:THRESHOLD]",
                    help="compress pushed gradients with a distributed kvstore: 2bit (threshold 0.5), 2bit:0.1, "
                         "fp16 or bf16, with error feedback")

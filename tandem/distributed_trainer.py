@@ -29,6 +29,7 @@ import torch
 from tandem.engine import get_engine, trace
 from tandem.executor import Segment
 from tandem.graph.train_graph import Phase
+from tandem.kvstore import P3_FOR
 
 if TYPE_CHECKING:
     from tandem.step import TrainStep
@@ -38,11 +39,15 @@ MODES = ("baseline", "overlap", "p3")
 
 
 def resolve_mode(communication: str, kind: str) -> str:
-    mode = ("p3" if kind == "dist_p3" else "overlap") if communication == "auto" else communication
+    """The mode ``communication`` means on a store of ``kind`` (the kind ``kvstore.create`` makes: see
+    ``kvstore.resolve_kind``); "auto" is p3 on the P3 kinds, sync or async, and overlap elsewhere."""
+    p3_kinds = P3_FOR.values()
+    mode = ("p3" if kind in p3_kinds else "overlap") if communication == "auto" else communication
     if mode not in MODES:
         raise ValueError(f"communication must be 'auto' or one of {MODES}, got {communication!r}")
-    if mode == "p3" and kind != "dist_p3":
-        raise ValueError(f"communication='p3' needs kvstore='dist_p3' (slices and priorities), got {kind!r}")
+    if mode == "p3" and kind not in p3_kinds:
+        raise ValueError(f"communication='p3' needs kvstore='dist_p3' or 'dist_p3_async' (slices and "
+                         f"priorities; or tandem launch --p3), got {kind!r}")  # fmt: skip
     return mode
 
 
@@ -54,7 +59,7 @@ class DistributedUpdate:
 
         config = trainer.config
         self.trainer = trainer
-        self.mode = resolve_mode(config.communication, str(config.kvstore))
+        self.mode = resolve_mode(config.communication, kvstore.resolve_kind(str(config.kvstore)))
         if config.update_on_kvstore and isinstance(trainer.optimizer, torch.optim.Optimizer):
             raise TypeError("update_on_kvstore=True runs the optimizer on the servers: pass a tandem.optim "
                             "optimizer, or update_on_kvstore=False to keep a torch.optim optimizer here")

@@ -37,9 +37,10 @@ class TrainerConfig:
     drop_last: bool = True  # keep one captured shape per epoch
     seed: int = 0  # data order and initial RNG of fit()
     progress: bool = True  # tqdm bars in fit()
-    kvstore: str | None = None  # None/"local" or "dist_sync", "dist_async", "dist_p3"
+    kvstore: str | None = None  # None/"local" or "dist_sync", "dist_async", "dist_p3", "dist_p3_async"
     update_on_kvstore: bool = True  # the servers run the optimizer (False: pushpull grads, update here)
-    communication: str = "auto"  # "baseline", "overlap" or "p3" (auto: p3 on dist_p3, else overlap)
+    # "baseline", "overlap" or "p3" (auto: p3 on the P3 kinds, also under tandem launch --p3, else overlap)
+    communication: str = "auto"
     # compress pushed gradients ({"type": "2bit", "threshold": 0.5}, "fp16", "bf16"; tandem.kvstore.compression)
     gradient_compression: str | dict[str, Any] | None = None
 

@@ -18,6 +18,12 @@ KINDS = ("local", "dist_sync", "dist_async", "dist_p3", "dist_p3_async")
 P3_FOR = {"dist_sync": "dist_p3", "dist_async": "dist_p3_async"}  # what TANDEM_KVSTORE_P3=1 (launch --p3) makes of a kind
 
 
+def resolve_kind(kind: str) -> str:
+    """The kind ``create(kind)`` makes: under TANDEM_KVSTORE_P3=1 (``tandem launch --p3``) the
+    parameter-server kinds become their P3 kinds."""
+    return P3_FOR[kind] if kind in P3_FOR and knob("TANDEM_KVSTORE_P3") else kind
+
+
 def create(kind: str = "local", **options: Any) -> KVStore:
     """A new store of ``kind``; distributed kinds read their topology from the environment.
 
@@ -31,8 +37,7 @@ def create(kind: str = "local", **options: Any) -> KVStore:
         if options:
             raise TypeError(f"the local kvstore takes no options, got {sorted(options)}")
         return LocalKVStore()
-    if kind in P3_FOR and knob("TANDEM_KVSTORE_P3"):
-        kind = P3_FOR[kind]
+    kind = resolve_kind(kind)
     if kind in ("dist_sync", "dist_async"):
         from tandem.kvstore.dist import connect  # imported late: zmq is only needed for distributed runs
 
@@ -47,4 +52,4 @@ def create(kind: str = "local", **options: Any) -> KVStore:
 
 
 __all__ = ["KINDS", "Handle", "KVStore", "KVStoreError", "KVStoreTimeout", "LocalKVStore", "PeerFailure",
-           "ProtocolError", "RemoteError", "create"]  # fmt: skip
+           "ProtocolError", "RemoteError", "create", "resolve_kind"]  # fmt: skip
