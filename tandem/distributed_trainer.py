@@ -116,9 +116,15 @@ class DistributedUpdate:
             tuner.tune_send_timing()  # only a trainer can hold gradients until backward ends
 
     # -- communication ---------------------------------------------------------------------------
+    @property
+    def _send_timing(self) -> str:
+        """When this step's gradients leave (p3_tuner.SEND_TIMINGS): the P3 store's tuner may change it
+        between steps; other stores always send during backward."""
+        return str(getattr(self.store, "send_timing", "during"))
+
     def _send(self, name: str, grad: torch.Tensor) -> None:
         """Gradient hook (engine thread): send this gradient now (or hold it); the reply lands in _received[name]."""
-        if self.mode == "p3" and getattr(self.store, "send_timing", "during") != "during":
+        if self.mode == "p3" and self._send_timing != "during":
             self._held.append((name, grad))
             return
         self._pushpull(name, grad)
@@ -182,7 +188,7 @@ class DistributedUpdate:
             self._exchange(self._names, [result.grads[n] for n in self._names], pushpull=False)
             return
         held, self._held = dict(self._held), []
-        if getattr(self.store, "send_timing", "during") == "serial":
+        if self._send_timing == "serial":
             names = [n for n in self._names if n in held]  # forward order: by priority, on one call's FIFO
             self._exchange(names, [held[n] for n in names], pushpull=True)
             return
@@ -195,9 +201,7 @@ class DistributedUpdate:
         if not names:
             return
         if self._writes_pushed:  # a reply applied through the engine may not be written yet (after a timing switch)
-            for var in self._vars.values():
-                self.engine.wait(var)
-            self._writes_pushed = False
+            self._wait_for_writes()
         params, on_servers = self.trainer._params, self.trainer.config.update_on_kvstore
         targets = [params[n].data if on_servers else self._received[n] for n in names]
         outgoing = [self._outgoing(grad) for grad in grads]
@@ -217,6 +221,10 @@ class DistributedUpdate:
         """Apply every outstanding reply and wait until the parameters are written (before eval/save)."""
         for name in list(self._pending):
             self._apply(name)
+        self._wait_for_writes()
+
+    def _wait_for_writes(self) -> None:
+        """Until every engine op writing a parameter (``_write``) has run."""
         for var in self._vars.values():
             self.engine.wait(var)
         self._writes_pushed = False
