@@ -27,6 +27,7 @@ import torch
 
 from tandem.engine import trace
 from tandem.env import knob
+from tandem.kvstore import P3_FOR
 from tandem.kvstore.base import Handle, normalize
 from tandem.kvstore.dist.p3_queue import LanePriorityQueue
 from tandem.kvstore.dist.p3_reslice import Move, move_slots
@@ -40,7 +41,7 @@ from tandem.kvstore.dist.transport import Incoming, ServerTransport
 from tandem.kvstore.dist.worker import DistKVStore, Item
 from tandem.kvstore.errors import KVStoreError
 
-P3_KINDS = {"dist_p3": "dist_sync", "dist_p3_async": "dist_async"}  # P3 kind -> the rounds it runs
+P3_KINDS = {p3: rounds for rounds, p3 in P3_FOR.items()}  # P3 kind -> the rounds it runs
 AUTO = 0  # slice_size (TANDEM_KVSTORE_SLICE_THRESHOLD) meaning "tune it"
 _STORES_CREATED = itertools.count()  # names each store's tuner agreements in the rendezvous store
 
@@ -88,7 +89,7 @@ class P3KVStore(DistKVStore):
     def __init__(self, topology: Topology, options: DistOptions, p3: P3Options) -> None:
         start = DEFAULT_SLICE_SIZE if p3.auto else p3.slice_size
         super().__init__(topology, options, RoundRobinPlacement(topology.num_servers, start))
-        self.kind = next(kind for kind, rounds in P3_KINDS.items() if rounds == options.kind)
+        self.kind = P3_FOR[options.kind]
         self.p3 = p3
         self.sender = PrioritySender(self._client, p3.water_mark, start, topology.rank)
         self._client = self.sender  # type: ignore[assignment]  # same interface; queues tensor requests
