@@ -19,14 +19,17 @@ _LAZY = {
     "StepResult": ("tandem.step", "StepResult"),
     "Trainer": ("tandem.trainer", "Trainer"),
 }
+_SUBPACKAGES = ("data", "engine", "kvstore", "models", "ops", "optim")  # `tandem.optim` works after `import tandem`
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         module_name, attribute = _LAZY[name]
         return getattr(importlib.import_module(module_name), attribute)
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"tandem.{name}")
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")
 
 

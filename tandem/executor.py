@@ -95,7 +95,7 @@ class Executor:
             segment.gradients = [grad_names[i.node] for i in segment.instructions if i.node in grad_names]
             read = {train_graph.canonical(param_names[a]) for i in segment.instructions
                     for a in i.node.all_input_nodes if a in param_names}
-            segment.parameters = [n for n in train_graph.param_names if n in read]  # tied: under the first name
+            segment.parameters = [n for n in train_graph.parameter_keys if n in read]  # tied: under the first name
             segment.function = _generate(segment, self._slot)
         self.hooks: list[GradientHook] = []
         self.last_report: RunReport | None = None

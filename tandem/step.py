@@ -17,8 +17,9 @@ from torch import nn
 
 from tandem.errors import BatchMismatchError
 from tandem.executor import Executor, GradientHook, MemoryStats
+from tandem.graph.batch import BatchLayout
 from tandem.graph.capture import LossFn, capture, capture_inference
-from tandem.graph.train_graph import TensorSpec, TrainGraph
+from tandem.graph.train_graph import TrainGraph
 from tandem.passes.manager import plan
 
 log = logging.getLogger("tandem")
@@ -35,12 +36,15 @@ class StepConfig:
     recapture: bool = True  # a batch of new shapes is captured again (False: raise)
     max_captures: int = 8  # graphs kept per step before the oldest is dropped
     measure_memory: bool = False  # measure every step (the first step is always measured)
+    checkpoint_regions: bool = True  # recompute what the model wraps in torch.utils.checkpoint (False: ignore)
 
     def __post_init__(self) -> None:
         for name in ("bulk_fwd", "bulk_bwd"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be an int >= 0 (op nodes per segment; 0 or 1: one per segment), got {value!r}")
+        if not isinstance(self.checkpoint_regions, bool):
+            raise TypeError(f"checkpoint_regions must be True or False, got {self.checkpoint_regions!r}")
         if self.max_captures < 1:
             raise ValueError(f"max_captures must be >= 1, got {self.max_captures}")
 
@@ -71,7 +75,7 @@ class TrainStep:
     module: nn.Module
     loss_fn: LossFn
     config: StepConfig
-    _compiled: dict[tuple[TensorSpec, ...], _Compiled] = field(default_factory=dict)
+    _compiled: dict[BatchLayout, _Compiled] = field(default_factory=dict)
     _last: _Compiled | None = None
     _hooks: list[GradientHook] = field(default_factory=list)
     # set by distributed training: per-parameter engine vars and the gate run before each segment
@@ -79,10 +83,12 @@ class TrainStep:
     gate: Callable[[Any], None] | None = None
 
     # -- public ------------------------------------------------------------------------------
-    def __call__(self, *batch: torch.Tensor) -> Any:
-        compiled = self._for_batch(batch)
+    def __call__(self, *batch: Any) -> Any:
+        """Run one captured step on ``batch`` (tensors, or dicts/tuples of tensors, as loss_fn takes them)."""
+        layout, tensors = BatchLayout.of(batch)
+        compiled = self._for_batch(batch, layout)
         graph = compiled.graph
-        inputs = graph.inputs(self.module, batch)
+        inputs = graph.inputs(self.module, tensors)
         if compiled.memory is None or self.config.measure_memory:
             if self.gate is not None:
                 self.gate(None)  # the measuring interpreter bypasses the engine: every parameter must be final
@@ -124,32 +130,32 @@ class TrainStep:
             compiled.executor.hooks = self._hooks
 
     # -- internals ---------------------------------------------------------------------------
-    def _for_batch(self, batch: Sequence[torch.Tensor]) -> _Compiled:
-        key = tuple(TensorSpec.of(t) if isinstance(t, torch.Tensor) else t for t in batch)
-        compiled = self._compiled.get(key)  # type: ignore[arg-type]
+    def _for_batch(self, batch: Sequence[Any], layout: BatchLayout | None = None) -> _Compiled:
+        key = layout if layout is not None else BatchLayout.of(batch)[0]
+        compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled
         if self._compiled and not self.config.recapture:
             captured = next(iter(self._compiled))
             raise BatchMismatchError(
-                f"batch {_describe(key)} differs from the captured batch {_describe(captured)}; "
+                f"batch {key} differs from the captured batch {captured}; "
                 "pass batches of the captured shapes (e.g. drop_last=True) or compile with recapture=True"
             )
         if self._compiled:
-            log.info("tandem: capturing the step again for batch %s", _describe(key))
+            log.info("tandem: capturing the step again for batch %s", key)
         if len(self._compiled) >= self.config.max_captures:
             self._compiled.pop(next(iter(self._compiled)))
-        return self._capture(batch, key)  # type: ignore[arg-type]
+        return self._capture(batch, key)
 
-    def _capture(self, batch: Sequence[torch.Tensor], key: tuple[TensorSpec, ...]) -> _Compiled:
+    def _capture(self, batch: Sequence[Any], key: BatchLayout) -> _Compiled:
         graph = plan(self._trace(batch), self.config)
         executor = Executor(graph)
         executor.hooks = self._hooks
         compiled = self._compiled[key] = _Compiled(graph, executor)
         return compiled
 
-    def _trace(self, batch: Sequence[torch.Tensor]) -> TrainGraph:
-        return capture(self.module, self.loss_fn, batch)
+    def _trace(self, batch: Sequence[Any]) -> TrainGraph:
+        return capture(self.module, self.loss_fn, batch, checkpoint_regions=self.config.checkpoint_regions)
 
     def _unpack(self, graph: TrainGraph, outputs: list[Any]) -> Any:
         loss = outputs[0]
@@ -174,28 +180,27 @@ class EvalStep(TrainStep):
     The whole graph is one segment unless TANDEM_BULK_INFERENCE=0 (then the forward cap applies).
     """
 
-    def _trace(self, batch: Sequence[torch.Tensor]) -> TrainGraph:
+    def _trace(self, batch: Sequence[Any]) -> TrainGraph:
         return capture_inference(self.module, self.loss_fn, batch)
 
     def _unpack(self, graph: TrainGraph, outputs: list[Any]) -> Any:
         return EvalResult(loss=outputs[0], output=outputs[-1])
 
 
-def compile_eval(module: nn.Module, loss_fn: LossFn, *example_batch: torch.Tensor, **options: Any) -> EvalStep:
+def compile_eval(module: nn.Module, loss_fn: LossFn, *example_batch: Any, **options: Any) -> EvalStep:
     """Capture the eval-mode forward of ``loss_fn(module, *example_batch)`` (loss and module output)."""
     step = EvalStep(module=module, loss_fn=loss_fn, config=StepConfig.from_options(options))
     step._for_batch(example_batch)
     return step
 
 
-def _describe(specs: Sequence[Any]) -> str:
-    return "(" + ", ".join(str(s) for s in specs) + ")"
-
-
-def compile(module: nn.Module, loss_fn: LossFn, *example_batch: torch.Tensor, **options: Any) -> TrainStep:
+def compile(module: nn.Module, loss_fn: LossFn, *example_batch: Any, **options: Any) -> TrainStep:
     """Capture ``loss_fn(module, *example_batch)`` with its backward and return a TrainStep.
 
-    Options: see StepConfig (mirror, bulk, bulk_fwd, bulk_bwd, recapture, max_captures, measure_memory).
+    Batch elements are tensors or dicts/tuples/lists of tensors (``loss_fn(module, batch)`` with a
+    transformers collator's dict works); non-tensor leaves are static: a new value captures again.
+    Options: see StepConfig (mirror, bulk, bulk_fwd, bulk_bwd, recapture, max_captures,
+    measure_memory, checkpoint_regions).
     """
     config = StepConfig.from_options(options)
     step = TrainStep(module=module, loss_fn=loss_fn, config=config)

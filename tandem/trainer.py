@@ -3,6 +3,11 @@
     trainer = tandem.Trainer(model, loss_fn, tandem.optim.SGD(lr=0.1, momentum=0.9))
     trainer.fit(train_set, epochs=3, eval_data=test_set)
 
+``fit``/``evaluate`` take a ``TensorDataset`` (batched by slicing, fast), any other map-style
+``Dataset`` (batched by a ``DataLoader``), or a ``DataLoader`` / any iterable of batches. A batch is
+what ``loss_fn(module, *batch)`` receives: a tuple/list item is spread into positional arguments, a
+dict (a transformers collator's ``{"input_ids", "labels", ...}``) or a tensor is one argument.
+
 The optimizer is an update rule (tandem.optim) applied to all parameters in one fused call; a
 torch.optim.Optimizer bound to the module's parameters works too (gradients go to ``p.grad``).
 """
@@ -11,15 +16,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from tandem.engine import get_engine
+from tandem.graph.batch import as_arguments, batch_size_of
 from tandem.graph.capture import LossFn
 from tandem.kvstore.compression import GradientCompression
 from tandem.step import EvalStep, StepConfig, StepResult, TrainStep, compile_eval
@@ -32,7 +39,7 @@ CHECKPOINT_FORMAT = 1
 class TrainerConfig:
     step: StepConfig = field(default_factory=StepConfig)
     clip_grad_norm: float | None = None  # clip the global gradient norm (one fused op) to this
-    batch_size: int = 64  # fit/evaluate batch size when given a Dataset
+    batch_size: int = 64  # fit/evaluate batch size when given a Dataset (not when given a DataLoader)
     shuffle: bool = True
     drop_last: bool = True  # keep one captured shape per epoch
     seed: int = 0  # data order and initial RNG of fit()
@@ -86,8 +93,13 @@ class Trainer:
         self._distributed = _make_distributed(self) if self.config.kvstore not in (None, "local") else None
 
     # -- one step -----------------------------------------------------------------------------
-    def step(self, *batch: torch.Tensor) -> float:
-        """One training step: forward, backward, (communicate), update. Returns the loss."""
+    def step(self, *batch: Any) -> float:
+        """One training step: forward, backward, (communicate), update. Returns the loss.
+
+        ``batch`` is what ``loss_fn(module, *batch)`` receives: each element a tensor, or a
+        dict / tuple / list of tensors (``trainer.step(x, y)``, ``trainer.step({"input_ids": ...,
+        "labels": ...})``). Other leaves (ints, strings, None) are static: a new value captures again.
+        """
         self.module.train()
         step = self._compiled(batch)
         if self._distributed is not None:
@@ -101,7 +113,7 @@ class Trainer:
         self.step_count += 1
         return float(result.loss)
 
-    def _compiled(self, batch: tuple[torch.Tensor, ...]) -> TrainStep:
+    def _compiled(self, batch: tuple[Any, ...]) -> TrainStep:
         if self._train_step is None:
             self._train_step = compile_step(self.module, self.loss_fn, *batch, **vars(self.config.step))
             if self._distributed is None:  # the fused update is an engine op the next forward waits for
@@ -174,7 +186,13 @@ class Trainer:
 
     # -- loops --------------------------------------------------------------------------------
     def fit(self, train_data: Any, epochs: int = 1, eval_data: Any = None) -> list[dict[str, float]]:
-        """Train for ``epochs`` over a Dataset (batched here) or an iterable of batches.
+        """Train for ``epochs`` over a Dataset (batched here) or a DataLoader / iterable of batches.
+
+        A ``TensorDataset`` or any other map-style ``Dataset`` is batched here (``batch_size``,
+        ``shuffle``, ``drop_last``; the order depends only on ``(seed, epoch)``) and, in distributed
+        training, sharded by rank first. A ``DataLoader`` or any other iterable is used as is (each
+        worker iterates it whole: shard it yourself). Each item is a batch: a tuple/list is spread
+        into ``loss_fn(module, *batch)``'s arguments, a dict or a tensor is one argument.
 
         Returns one record per epoch: train loss, samples/s, and eval loss/accuracy when given.
         """
@@ -185,9 +203,10 @@ class Trainer:
             batches = self._batches(train_data, train=True)
             bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", disable=not self.config.progress, leave=False)
             samples, loss_sum, count, start = 0, 0.0, 0, time.perf_counter()
-            for batch in bar:
+            for item in bar:
+                batch = as_arguments(item)
                 loss = self.step(*batch)
-                samples += len(batch[0])
+                samples += batch_size_of(batch)
                 loss_sum, count = loss_sum + loss, count + 1
                 bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / (time.perf_counter() - start):.0f}")
             bar.close()
@@ -201,35 +220,62 @@ class Trainer:
         return history
 
     def evaluate(self, data: Any) -> dict[str, float]:
-        """Mean loss and accuracy (argmax of the last dim against integer targets), eval mode.
+        """Mean loss, and accuracy where the batch has integer targets, in eval mode.
+
+        ``data`` is batched like ``fit``'s (in order, every sample, not sharded). Accuracy is the
+        argmax of the module output's last dim against integer targets of the output's shape less
+        that dim, counted only where the targets are found:
+
+        - a positional batch of two or more elements whose last is an integer tensor
+          (``loss_fn(module, x, y)``);
+        - a dict batch (its last positional element) with an integer ``"labels"`` tensor
+          (``loss_fn(module, {"input_ids": ..., "labels": ...})``).
+
+        Targets equal to -100 (cross_entropy's and transformers' ignore index) are not counted.
+        Otherwise (float targets, other shapes, an output that is not one tensor) only the loss is
+        reported. Note that a causal LM that shifts its labels inside (transformers'
+        ``*ForCausalLM``) gets an unshifted, meaningless accuracy: ignore it there.
 
         Runs a captured inference graph (one segment; TANDEM_BULK_INFERENCE=0 bulks it like training).
         """
         self.sync()  # outstanding updates (local or from the servers) become the parameters first
         loss_sum, correct, total, batches = 0.0, 0, 0, 0
-        for batch in self._batches(data, train=False):
+        for item in self._batches(data, train=False):
+            batch = as_arguments(item)
             if self._eval_step is None:
                 self._eval_step = compile_eval(self.module, self.loss_fn, *batch, **vars(self.config.step))
             result = self._eval_step(*batch)
             loss_sum += float(result.loss)
             batches += 1
-            if len(batch) >= 2 and not batch[-1].is_floating_point():
-                correct += int((result.output.argmax(dim=-1) == batch[-1]).sum())
-                total += batch[-1].numel()
-        output = {"loss": loss_sum / max(batches, 1)}
+            targets, logits = _targets(batch), result.output
+            if targets is not None and isinstance(logits, torch.Tensor) and logits.shape[:-1] == targets.shape:
+                counted = targets != IGNORE_INDEX
+                correct += int(((logits.argmax(dim=-1) == targets) & counted).sum())
+                total += int(counted.sum())
+        metrics = {"loss": loss_sum / max(batches, 1)}
         if total:
-            output["accuracy"] = correct / total
-        return output
+            metrics["accuracy"] = correct / total
+        return metrics
 
-    def _batches(self, data: Any, train: bool) -> Iterable[tuple[torch.Tensor, ...]]:
-        if isinstance(data, torch.utils.data.Dataset):
-            from tandem.data import batches
+    def _batches(self, data: Any, train: bool) -> Iterable[Any]:
+        """The items of one epoch over ``data`` (each a batch for ``as_arguments``).
 
-            if self._distributed is not None and train:
-                data = self._distributed.shard(data)
-            return batches(data, self.config.batch_size, shuffle=train and self.config.shuffle,
-                           seed=self.config.seed, epoch=self.epoch, drop_last=train and self.config.drop_last)
-        return data
+        A ``TensorDataset`` goes through ``tandem.data.batches`` (slices, no per-sample collate);
+        any other map-style ``Dataset`` through ``tandem.data.loader``, a ``DataLoader`` with the
+        default collate (a dataset of ``(x, y)`` gives ``[X, Y]``, of dicts a dict of stacked
+        tensors). Both shuffle by ``(seed, epoch)``, so every epoch has a reproducible order of its
+        own, and both are sharded by rank first when training distributed. Anything else (a
+        ``DataLoader``, an ``IterableDataset``, a list of batches) is iterated as is.
+        """
+        if not isinstance(data, Dataset) or isinstance(data, IterableDataset):
+            return data
+        if self._distributed is not None and train:
+            data = self._distributed.shard(data)
+        from tandem.data import batches, loader
+
+        make = batches if isinstance(data, TensorDataset) else loader  # same arguments
+        return make(data, self.config.batch_size, shuffle=train and self.config.shuffle, seed=self.config.seed,
+                    epoch=self.epoch, drop_last=train and self.config.drop_last)
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -275,6 +321,20 @@ class Trainer:
     def load(self, path: str) -> None:
         """Resume from save(): the run continues the trajectory it would have had without stopping."""
         self.load_state_dict(torch.load(path, weights_only=True))
+
+
+IGNORE_INDEX = -100  # targets not counted by evaluate's accuracy (cross_entropy's default ignore_index)
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _targets(batch: tuple[Any, ...]) -> torch.Tensor | None:
+    """The integer targets evaluate's accuracy compares against, or None (see Trainer.evaluate)."""
+    last = batch[-1] if batch else None
+    if isinstance(last, Mapping):
+        last = last.get("labels")
+    elif len(batch) < 2:
+        return None
+    return last if isinstance(last, torch.Tensor) and last.dtype in _INTEGER_DTYPES else None
 
 
 def _make_distributed(trainer: Trainer) -> Any:

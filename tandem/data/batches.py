@@ -1,17 +1,19 @@
-"""A fast mini-batch iterator over a TensorDataset.
+"""A fast mini-batch iterator over a TensorDataset, and a reproducible DataLoader for any other.
 
 Indexing whole tensors by a slice or an index vector costs one op per tensor per batch, where a
 DataLoader pays a Python call and a collate per sample: for small models that overhead would
-otherwise dominate the step being measured.
+otherwise dominate the step being measured. Other map-style data sets (samples as tuples or dicts)
+go through ``loader``: a DataLoader whose order, like ``batches``', depends only on (seed, epoch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from tandem.data.rng import generator
 
@@ -36,7 +38,8 @@ class Batches:
         if not isinstance(dataset, TensorDataset):
             raise TypeError(
                 f"batches needs a torch.utils.data.TensorDataset, got {type(dataset).__name__}; "
-                "wrap your tensors in TensorDataset (shard() of a TensorDataset stays one)"
+                "wrap your tensors in TensorDataset (shard() of a TensorDataset stays one), "
+                "or batch any other map-style Dataset with tandem.data.loader"
             )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batches: batch_size={batch_size!r} must be a positive int")
@@ -83,3 +86,47 @@ def batches(
     smaller unless ``drop_last``.
     """
     return Batches(dataset, batch_size, shuffle, seed, epoch, drop_last)
+
+
+class Permutation(Sampler[int]):
+    """The sample indices of one epoch: ``range(length)``, or its permutation by ``(seed, epoch)``.
+
+    Every iteration yields the same order (a DataLoader's own ``generator`` advances with each
+    ``iter()``, so a loader iterated twice, or once more by a progress bar, would change order). The
+    shuffled order is exactly ``batches``': a data set and the TensorDataset of its tensors batch alike.
+    """
+
+    def __init__(self, length: int, shuffle: bool = False, seed: int = 0, epoch: int = 0) -> None:
+        self.length, self.shuffle, self.seed, self.epoch = length, shuffle, seed, epoch
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.length))
+        return iter(torch.randperm(self.length, generator=generator(self.seed, self.epoch)).tolist())
+
+
+def loader(
+    dataset: Dataset[Any],
+    batch_size: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    epoch: int = 0,
+    drop_last: bool = False,
+) -> DataLoader[Any]:
+    """A single-process ``DataLoader`` over any map-style ``dataset`` (``__len__`` and ``__getitem__``).
+
+    Default collate: samples ``(x, y)`` give batches ``[X, Y]``, dict samples a dict of stacked
+    tensors. Like ``batches``, it is re-iterable with the same batches every time, the shuffled
+    order (the same as ``batches``') depends only on ``(seed, epoch)``, and it never draws from the
+    global RNG, so data loading leaves dropout's stream alone.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"loader: batch_size={batch_size!r} must be a positive int")
+    order = Permutation(len(dataset), shuffle, seed, epoch)  # type: ignore[arg-type]
+    # every iter() draws a worker base seed (unused: no workers) from this generator, not the global RNG
+    return DataLoader(dataset, batch_size=batch_size, sampler=order, drop_last=drop_last,
+                      generator=generator(seed, epoch))

@@ -3,13 +3,20 @@
 We use ``aot_export_module(..., trace_joint=True)``: it functionalizes the step (BatchNorm's
 running-stat updates become outputs), traces autograd's backward into aten ops, and records fake
 values (shape, dtype) on every node. Nothing here differentiates by hand.
+
+Library code asks "am I being traced?" through ``torch.compiler.is_compiling()`` and, when the
+answer is no, runs eager-only checks (``bool(mask.all())``) that no tracer can capture. We trace
+under the same compiling state that ``torch.export``'s non-strict tracing sets, so transformers,
+timm and friends take the code path they take under ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
+import os
 import re
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -18,26 +25,29 @@ import torch.fx as fx
 from torch import nn
 
 from tandem.errors import CaptureError
-from tandem.graph.train_graph import MetaKey, Phase, TensorSpec, TrainGraph
+from tandem.graph.batch import BatchLayout
+from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
 
-LossFn = Callable[..., torch.Tensor]
+LossFn = Callable[..., Any]
 _PREFIX = "module."
 
 
 class _LossModule(nn.Module):
-    """Wraps module + loss_fn so the exported forward returns (loss,), as aot_export needs."""
+    """Wraps module + loss_fn so the exported forward takes the batch's tensor leaves and returns
+    (loss,), as aot_export needs."""
 
-    def __init__(self, module: nn.Module, loss_fn: LossFn) -> None:
+    def __init__(self, module: nn.Module, loss_fn: LossFn, layout: BatchLayout) -> None:
         super().__init__()
         self.module = module
         self.loss_fn = loss_fn
+        self.layout = layout
 
-    def forward(self, *batch: torch.Tensor) -> tuple[torch.Tensor]:
-        loss = self.loss_fn(self.module, *batch)
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor]:
+        loss = self.loss_fn(self.module, *self.layout.unflatten(tensors))
         if not isinstance(loss, torch.Tensor):
             raise CaptureError(
                 f"loss_fn must return a scalar tensor, got {type(loss).__name__}; "
-                "return e.g. F.cross_entropy(module(x), y)"
+                "return e.g. F.cross_entropy(module(x), y) or module(**batch).loss"
             )
         if loss.dim() != 0:
             raise CaptureError(
@@ -47,58 +57,77 @@ class _LossModule(nn.Module):
         return (loss,)
 
 
-def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[torch.Tensor]) -> TrainGraph:
-    """Trace one training step of ``loss_fn(module, *batch)`` into a TrainGraph."""
-    _check_arguments(module, loss_fn, batch)
-    wrapper = _LossModule(module, loss_fn)
+def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any], checkpoint_regions: bool = True) -> TrainGraph:
+    """Trace one training step of ``loss_fn(module, *batch)`` into a TrainGraph.
+
+    ``batch`` holds tensors or pytrees of them (dicts, tuples); the graph takes the tensor leaves.
+    With ``checkpoint_regions``, forward nodes that ran inside ``torch.utils.checkpoint`` are marked
+    (``MetaKey.CHECKPOINT``), so the mirror pass recomputes them in backward as eager would.
+    """
+    layout, tensors = _check_arguments(module, loss_fn, batch)
+    wrapper = _LossModule(module, loss_fn, layout)
+    regions: list[int] = []
     try:
-        graph_module, signature = _export(wrapper, batch, frozen=[])
+        graph_module, signature = _export(wrapper, tensors, [], regions)
     except _UnusedParameter:  # rare: probe once which parameters no gradient reaches, export again
-        graph_module, signature = _export(wrapper, batch, frozen=_unused_parameters(wrapper, batch))
-    return _to_train_graph(graph_module, signature, batch, _alias_groups(module))
+        graph_module, signature = _export(wrapper, tensors, _unused_parameters(wrapper, tensors), regions)
+    return _to_train_graph(graph_module, signature, layout, _alias_groups(module), checkpoint_regions=checkpoint_regions)
 
 
 class _EvalModule(_LossModule):
     """For inference capture: returns (loss, the module's own output) in one forward."""
 
-    def forward(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         seen: list[Any] = []
         handle = self.module.register_forward_hook(lambda _m, _i, output: seen.append(output))
         try:
-            (loss,) = super().forward(*batch)
+            (loss,) = super().forward(*tensors)
         finally:
             handle.remove()
-        if not seen or not isinstance(seen[-1], torch.Tensor):
-            raise CaptureError("inference capture needs loss_fn to call the module once and the module to return a tensor")
-        return (loss, seen[-1])
+        output = _main_output(seen[-1]) if seen else None
+        if output is None:
+            raise CaptureError("inference capture needs loss_fn to call the module once and the module to return "
+                               "a tensor (or an output object with .logits)")
+        return (loss, output)
 
 
-def capture_inference(module: nn.Module, loss_fn: LossFn, batch: Sequence[torch.Tensor]) -> TrainGraph:
+def _main_output(output: Any) -> torch.Tensor | None:
+    """The tensor a module's result stands for: itself, a transformers output's ``logits``, or its
+    first tensor."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    return next((leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)), None)
+
+
+def capture_inference(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any]) -> TrainGraph:
     """Trace the forward of ``loss_fn(module, *batch)`` in eval mode: loss and module output, no backward."""
     from torch._functorch.aot_autograd import aot_export_module
 
-    _check_arguments(module, loss_fn, batch)
-    wrapper = _EvalModule(module, loss_fn)
+    layout, tensors = _check_arguments(module, loss_fn, batch)
+    wrapper = _EvalModule(module, loss_fn, layout)
     was_training = module.training
     module.eval()
     try:
-        with _module_stack(wrapper) as stack, torch.random.fork_rng(devices=[]):
+        with _tracing(wrapper, []) as stack:
             try:
-                graph_module, signature = aot_export_module(wrapper, tuple(batch), trace_joint=False)
+                graph_module, signature = aot_export_module(wrapper, tuple(tensors), trace_joint=False)
             except CaptureError:
                 raise
             except Exception as error:
                 raise _explain(error, stack) from error
     finally:
         module.train(was_training)
-    return _to_train_graph(graph_module, signature, batch, _alias_groups(module), inference=True)
+    return _to_train_graph(graph_module, signature, layout, _alias_groups(module), inference=True)
 
 
 class _UnusedParameter(Exception):
     pass
 
 
-def _check_arguments(module: Any, loss_fn: Any, batch: Sequence[Any]) -> None:
+def _check_arguments(module: Any, loss_fn: Any, batch: Sequence[Any]) -> tuple[BatchLayout, list[torch.Tensor]]:
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"tandem.compile needs a torch.nn.Module, got {type(module).__name__}; "
@@ -108,80 +137,142 @@ def _check_arguments(module: Any, loss_fn: Any, batch: Sequence[Any]) -> None:
         raise TypeError(f"loss_fn must be callable as loss_fn(module, *batch), got {type(loss_fn).__name__}")
     if not batch:
         raise ValueError("give an example batch: tandem.compile(module, loss_fn, x, y)")
-    for i, item in enumerate(batch):
-        if not isinstance(item, torch.Tensor):
-            raise TypeError(f"batch element {i} is a {type(item).__name__}; every batch element must be a tensor")
+    layout, tensors = BatchLayout.of(batch)
+    if not tensors:
+        raise TypeError(f"the batch {layout} holds no tensor; pass tensors, or dicts/tuples of tensors")
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError("the module has no parameter that requires grad: there is nothing to train")
+    return layout, tensors
 
 
 # -- export ------------------------------------------------------------------------------
 
 
-def _export(wrapper: _LossModule, batch: Sequence[torch.Tensor], frozen: list[nn.Parameter]) -> tuple[Any, Any]:
+def _export(wrapper: _LossModule, tensors: Sequence[torch.Tensor], unused: list[str],
+            regions: list[int]) -> tuple[Any, Any]:
     from torch._functorch.aot_autograd import aot_export_module
 
-    # fork_rng: tracing draws random numbers (dropout); the user's RNG stream must not move.
-    with _module_stack(wrapper) as stack, _frozen(frozen), torch.random.fork_rng(devices=[]):
+    with _tracing(wrapper, regions) as stack, _without_gradient(wrapper, unused):
         try:
-            return aot_export_module(wrapper, tuple(batch), trace_joint=True, output_loss_index=0)
+            return aot_export_module(wrapper, tuple(tensors), trace_joint=True, output_loss_index=0)
         except CaptureError:
             raise
         except AssertionError as error:
-            if "did not receive a gradient" in str(error):
+            if "did not receive a gradient" in str(error) and not unused:
                 raise _UnusedParameter() from error
             raise _explain(error, stack) from error
-        except Exception as error:  # name the module and the op, keep the original for the details
+        except Exception as error:  # name the user's line, the module and the op; keep the original
             raise _explain(error, stack) from error
 
 
-def _unused_parameters(wrapper: _LossModule, batch: Sequence[torch.Tensor]) -> list[nn.Parameter]:
-    """Trainable parameters the loss does not depend on, found by one eager step on copies.
+def _unused_parameters(wrapper: _LossModule, tensors: Sequence[torch.Tensor]) -> list[str]:
+    """Names (every alias) of trainable parameters the loss does not reach, by one eager step on copies.
 
-    Copies keep the module's buffers (BN stats) untouched; fork_rng keeps the RNG stream untouched.
+    Each name gets its own copy, so a tied parameter's alias no module calls (T5's ``shared``)
+    shows up here while its used aliases do not. Copies keep the module's buffers (BN stats)
+    untouched; fork_rng keeps the RNG stream untouched.
     """
-    params = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in wrapper.named_parameters()}
-    buffers = {n: b.detach().clone() for n, b in wrapper.named_buffers()}
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        (loss,) = torch.func.functional_call(wrapper, {**params, **buffers}, tuple(batch))
+    params = {n: p.detach().clone().requires_grad_(p.requires_grad)
+              for n, p in wrapper.named_parameters(remove_duplicate=False)}
+    buffers = {n: b.detach().clone() for n, b in wrapper.named_buffers(remove_duplicate=False)}
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), _compiling():
+        (loss,) = torch.func.functional_call(wrapper, {**params, **buffers}, tuple(tensors), tie_weights=False)
         trainable = [n for n, p in params.items() if p.requires_grad]
         grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True)
-    live = dict(wrapper.named_parameters())
-    return [live[n] for n, g in zip(trainable, grads) if g is None]
+    return [n for n, g in zip(trainable, grads) if g is None]
 
 
 @contextlib.contextmanager
-def _frozen(parameters: list[nn.Parameter]) -> Iterator[None]:
-    """Parameters no gradient reaches are exported as constants (their grad stays absent, as in eager)."""
-    for p in parameters:
-        p.requires_grad_(False)
+def _without_gradient(root: nn.Module, names: list[str]) -> Iterator[None]:
+    """Export the named parameters as constants: no gradient reaches them, so none is computed (as in eager).
+
+    An untied parameter is frozen. An alias of a tied parameter that other names use is hidden
+    from ``named_parameters`` instead (it stays reachable as a plain attribute): freezing it would
+    freeze the used aliases too.
+    """
+    users: dict[int, int] = {}
+    for _, parameter in root.named_parameters(remove_duplicate=False):
+        users[id(parameter)] = users.get(id(parameter), 0) + 1
+    unused: dict[str, nn.Parameter] = {n: root.get_parameter(n) for n in names}
+    frozen: list[nn.Parameter] = []
+    hidden: list[tuple[nn.Module, str, dict[str, Any]]] = []
+    for name, parameter in unused.items():
+        aliases_unused = sum(1 for p in unused.values() if p is parameter)
+        if users[id(parameter)] > aliases_unused:
+            owner_path, _, leaf = name.rpartition(".")
+            hidden.append((root.get_submodule(owner_path), leaf, dict(root.get_submodule(owner_path)._parameters)))
+        elif parameter.requires_grad:
+            frozen.append(parameter)
+    for owner, leaf, _ in hidden:
+        owner.__dict__[leaf] = owner._parameters.pop(leaf)  # plain attribute: the module's code still finds it
+    for parameter in frozen:
+        parameter.requires_grad_(False)
     try:
         yield
     finally:
-        for p in parameters:
-            p.requires_grad_(True)
+        for parameter in frozen:
+            parameter.requires_grad_(True)
+        for owner, leaf, saved in hidden:
+            del owner.__dict__[leaf]
+            owner._parameters.clear()
+            owner._parameters.update(saved)  # the original order: named_parameters() is unchanged
 
 
 @contextlib.contextmanager
-def _module_stack(root: nn.Module) -> Iterator[list[str]]:
-    """Track which submodule is running, so capture errors can name its path."""
+def _compiling() -> Iterator[None]:
+    """The compiling/exporting state torch.export's non-strict tracing sets (torch._export.utils)."""
+    compiling, exporting = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = compiling, exporting
+
+
+@contextlib.contextmanager
+def _tracing(root: nn.Module, regions: list[int]) -> Iterator[list[str]]:
+    """Everything a trace runs under: the compiling state, a fork of the RNG (tracing draws random
+    numbers for dropout; the user's stream must not move), the module stack for error messages,
+    and the record of modules called inside checkpoint regions."""
+    with _compiling(), torch.random.fork_rng(devices=[]), _module_stack(root, regions) as stack:
+        yield stack
+
+
+@contextlib.contextmanager
+def _module_stack(root: nn.Module, regions: list[int]) -> Iterator[list[str]]:
+    """Track which submodule is running, so capture errors can name its path; mark the inputs and
+    outputs of each outermost module called inside a non-reentrant ``torch.utils.checkpoint``
+    region with ``tandem::checkpoint_mark`` ops (``regions``: one index per region begun)."""
     stack: list[str] = []
+    marked: list[nn.Module] = []  # the outermost modules of regions now running
     handles = []
 
-    def enter(name: str) -> Callable[..., None]:
-        return lambda *_: stack.append(name)  # list.append returns None: the input is unchanged
+    def enter(name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            stack.append(name)
+            if marked or not _in_checkpoint_region():
+                return None
+            regions.append(len(regions))
+            marked.append(module)
+            return _mark((args, kwargs), regions[-1], begin=True)
 
-    def leave(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
+        return hook
+
+    def leave(name: str) -> Callable[..., Any]:
+        def hook(module: nn.Module, _args: Any, output: Any) -> Any:
             if stack and stack[-1] == name:
                 stack.pop()
+            if marked and marked[-1] is module:
+                marked.pop()
+                return _mark(output, regions[-1], begin=False)
+            return None
 
         return hook
 
     for path, sub in root.named_modules():
         if path:
             name = path.removeprefix(_PREFIX) if path != "module" else "<root>"
-            handles.append(sub.register_forward_pre_hook(enter(name)))
+            handles.append(sub.register_forward_pre_hook(enter(name), with_kwargs=True))
             handles.append(sub.register_forward_hook(leave(name)))
     try:
         yield stack
@@ -190,6 +281,36 @@ def _module_stack(root: nn.Module) -> Iterator[list[str]]:
             handle.remove()
 
 
+def _in_checkpoint_region() -> bool:
+    """Whether a non-reentrant checkpoint region is running now.
+
+    ``torch.utils.checkpoint(use_reentrant=False)`` runs its function under saved-tensor hooks of
+    its own; the export flattens them away (nothing is recomputed), so we mark where it ran.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+@torch.library.custom_op("tandem::checkpoint_mark", mutates_args=())
+def _checkpoint_mark(x: torch.Tensor, region: int, begin: bool) -> torch.Tensor:
+    """Identity that survives tracing: where a checkpoint region begins or ends (removed after capture)."""
+    return x.clone()
+
+
+@_checkpoint_mark.register_fake
+def _(x: torch.Tensor, region: int, begin: bool) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_checkpoint_mark.register_autograd(lambda _context, grad: (grad, None, None))
+
+
+def _mark(tree: Any, region: int, begin: bool) -> Any:
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: _checkpoint_mark(t, region, begin) if t.is_floating_point() else t, tree)
+
+
+_MARK = torch.ops.tandem.checkpoint_mark.default
 _OP_PATTERN = re.compile(r"\b(aten\.[\w.]+|[a-z_]\w*::\w+)")
 
 
@@ -198,22 +319,51 @@ def _explain(error: Exception, stack: list[str]) -> CaptureError:
     first = text[0] if text else type(error).__name__
     ops = _OP_PATTERN.findall(str(error))
     where = f"module '{stack[-1]}'" if stack else "loss_fn (outside any submodule)"
+    line = _user_line(error)
+    at_line = f" ({line})" if line else ""
     op = f" at op {ops[0]}" if ops else ""
     hint = (
         "tandem captures the step with PyTorch's tracer: data-dependent Python control flow, "
         ".item()/.tolist()/.numpy() and ops without a meta kernel cannot be captured; "
-        "make the code shape-static or move that work outside the module"
+        "make that code shape-static (e.g. torch.where instead of an if on a tensor), guard it with "
+        "torch.compiler.is_compiling(), or move it outside the module"
     )
-    return CaptureError(f"cannot capture the step in {where}{op}: {type(error).__name__}: {first}. {hint}")
+    return CaptureError(f"cannot capture the step in {where}{at_line}{op}: {type(error).__name__}: {first}. {hint}")
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_TANDEM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PYTHON_DIR = os.path.dirname(contextlib.__file__)
+
+
+def _user_line(error: BaseException) -> str | None:
+    """``file:line in function`` of the innermost frame outside torch, tandem and the standard
+    library: the user's (or the model library's) code that ran the op."""
+    found: str | None = None
+    seen: set[int] = set()
+    current: BaseException | None = error
+    chain = []
+    while current is not None and id(current) not in seen:  # the error and what it was raised from
+        seen.add(id(current))
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    for exception in reversed(chain):  # outermost first: the innermost user frame wins
+        for frame in traceback.extract_tb(exception.__traceback__):
+            path = os.path.abspath(frame.filename)
+            if path.startswith((_TORCH_DIR, _TANDEM_DIR, _PYTHON_DIR)) or frame.filename.startswith("<"):
+                continue
+            found = f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return found
 
 
 # -- TrainGraph ----------------------------------------------------------------------------
 
 
-def _to_train_graph(graph_module: Any, signature: Any, batch: Sequence[torch.Tensor],
-                    aliases: dict[str, list[str]], inference: bool = False) -> TrainGraph:
+def _to_train_graph(graph_module: Any, signature: Any, layout: BatchLayout, aliases: dict[str, list[str]],
+                    inference: bool = False, checkpoint_regions: bool = True) -> TrainGraph:
     """Name the exported graph's placeholders and outputs; inference graphs also output the module's result."""
     graph: fx.Graph = graph_module.graph
+    _fold_constants(graph_module, graph)
     by_name = {n.name: n for n in graph.nodes}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     param_names = [signature.inputs_to_parameters[n.name] for n in placeholders if n.name in signature.inputs_to_parameters]
@@ -224,19 +374,58 @@ def _to_train_graph(graph_module: Any, signature: Any, batch: Sequence[torch.Ten
         graph=graph,
         param_names=[_strip(n) for n in param_names],
         buffer_names=[_strip(n) for n in buffer_names],
-        input_specs=[TensorSpec.of(t) for t in batch],
+        input_specs=layout.tensor_specs,
         loss=by_name[signature.user_outputs[0]],
         grads={_strip(p): grads[p] for p in param_names if p in grads},
         buffer_updates={_strip(b): by_name[n] for n, b in signature.buffers_to_mutate.items()},
         model_output=by_name[signature.user_outputs[1]] if inference else None,
+        layout=layout,
     )
-    _merge_tied_gradients(train_graph, aliases)
     train_graph.aliases = {other: first for first, names in aliases.items() for other in names[1:]}
+    _merge_tied_gradients(train_graph, aliases)
     _drop_detach(graph)
     _record_module_paths(graph)
     train_graph.set_outputs()
     graph.eliminate_dead_code()
-    return order_by_phase(train_graph)
+    order_by_phase(train_graph)
+    _take_checkpoint_marks(train_graph, keep=checkpoint_regions)
+    train_graph.graph.lint()
+    return train_graph
+
+
+def _fold_constants(graph_module: Any, graph: fx.Graph) -> None:
+    """Tensors the export lifted into attributes (``torch.tensor([])`` of a transformers cache)
+    become literal arguments of the ops that read them: the graph then has only placeholders and
+    calls, and the executor embeds the values in its generated code."""
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = operator.attrgetter(str(node.target))(graph_module)
+        def literal(argument: fx.Node, constant: fx.Node = node, folded: Any = value) -> Any:
+            return folded if argument is constant else argument
+
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, literal)
+            user.kwargs = fx.node.map_arg(user.kwargs, literal)
+        graph.erase_node(node)
+
+
+def _take_checkpoint_marks(train_graph: TrainGraph, keep: bool) -> None:
+    """Mark forward nodes between a region's begin and end marks with their region (graph order is
+    execution order), then drop the marks: each becomes its input again."""
+    region: Any = None
+    seen: set[Any] = set()
+    for node in train_graph.op_nodes():
+        if node.target is _MARK:
+            if train_graph.phase_of(node) == Phase.FORWARD:
+                region = node.args[1] if node.args[2] else None
+                seen.add(node.args[1])
+            node.replace_all_uses_with(node.all_input_nodes[0])
+            train_graph.graph.erase_node(node)
+        elif keep and region is not None and train_graph.phase_of(node) == Phase.FORWARD:
+            node.meta[MetaKey.CHECKPOINT] = region
+    if keep and seen:
+        train_graph.notes["checkpoint_regions"] = len(seen)
 
 
 def _alias_groups(module: nn.Module) -> dict[str, list[str]]:
@@ -261,7 +450,7 @@ def _merge_tied_gradients(train_graph: TrainGraph, aliases: dict[str, list[str]]
                 total = train_graph.graph.call_function(torch.ops.aten.add.Tensor, (total, part))
             total.meta["val"] = parts[0].meta.get("val")
         grads[first] = total
-    order = [name for name in train_graph.param_names if name in grads]
+    order = [name for name in train_graph.parameter_keys if name in grads]
     train_graph.grads = {name: grads[name] for name in order}
 
 

@@ -27,6 +27,7 @@ class MetaKey:
     SEGMENT = "tandem_segment"  # int: the engine op (segment) this node runs in
     RECOMPUTE_OF = "tandem_recompute_of"  # name of the forward node this node recomputes
     MODULE_PATH = "tandem_module_path"  # dotted path of the module that produced this node
+    CHECKPOINT = "tandem_checkpoint"  # int: the torch.utils.checkpoint region a forward node ran in
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class TrainGraph:
     notes: dict[str, Any] = field(default_factory=dict)  # what passes decided (policy, budgets, ...)
     model_output: fx.Node | None = None  # inference graphs: the module's own output (logits)
     aliases: dict[str, str] = field(default_factory=dict)  # tied parameter's other name -> its first name
+    layout: Any = None  # the batch's BatchLayout (tandem.graph.batch): how tensor inputs map to loss_fn's arguments
 
     def canonical(self, param_name: str) -> str:
         """The name a parameter's gradient, engine var and kvstore key go by (first of tied names)."""
@@ -92,12 +94,18 @@ class TrainGraph:
         """Nodes that run an op (not placeholders, not the output)."""
         return [n for n in self.graph.nodes if n.op == "call_function"]
 
-    def inputs(self, module: torch.nn.Module, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    @property
+    def parameter_keys(self) -> list[str]:
+        """Each trainable parameter once, under the name its gradient, engine var and kvstore key go
+        by (a tied parameter's first name, even where that alias is never called), in graph order."""
+        return list(dict.fromkeys(self.canonical(n) for n in self.param_names))
+
+    def inputs(self, module: torch.nn.Module, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The graph's inputs in placeholder order: parameters (a tied one under each of its names),
-        buffers, then the batch."""
+        buffers, then the batch's tensor leaves."""
         params = dict(module.named_parameters(remove_duplicate=False))
         buffers = dict(module.named_buffers(remove_duplicate=False))
-        return [params[n] for n in self.param_names] + [buffers[n] for n in self.buffer_names] + list(batch)
+        return [params[n] for n in self.param_names] + [buffers[n] for n in self.buffer_names] + list(tensors)
 
     def phase_of(self, node: fx.Node) -> str:
         return node.meta.get(MetaKey.PHASE, Phase.FORWARD)
@@ -128,6 +136,7 @@ class TrainGraph:
             notes=copy.deepcopy(self.notes),
             model_output=mapping[self.model_output] if self.model_output is not None else None,
             aliases=dict(self.aliases),
+            layout=self.layout,
         )
         for old, new in mapping.items():
             new.meta = dict(old.meta)

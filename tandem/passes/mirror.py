@@ -104,20 +104,27 @@ class Plan:
 
 
 def mirror_pass(graph: TrainGraph, config: Any) -> TrainGraph:
-    """Plan recomputation for ``config.mirror``; returns a new graph (the input is not changed)."""
+    """Plan recomputation for ``config.mirror``; returns a new graph (the input is not changed).
+
+    Checkpoint regions the capture marked are recomputed whatever the policy (the user asked for
+    it); the policy plans the rest. "off" then means: nothing beyond the regions.
+    """
     policy = MirrorPolicy.parse(getattr(config, "mirror", None))
     view = ForwardView(graph)
-    off = simulate(graph)
-    notes: dict[str, Any] = {"policy": str(policy), "estimated_peak_bytes_off": off.peak_bytes}
+    regions = select.checkpointed(view)
+    base = build(graph, regions, share_all) if regions else Plan(graph, set(), 0, simulate(graph))
+    notes: dict[str, Any] = {"policy": str(policy), "estimated_peak_bytes_off": base.memory.peak_bytes}
+    if regions:
+        notes["checkpointed"] = len(regions)
     if policy.name == "off":
-        plan = Plan(graph, set(), 0, off)
+        plan = base
     elif policy.name == "budget":
-        plan = _fit_budget(graph, view, policy, off, notes)
+        plan = _fit_budget(graph, view, policy, base, regions, notes)
     else:
-        plan = _named(graph, view, policy.name)
-        if policy.name == "memory-aware" and plan.memory.peak_bytes > off.peak_bytes:
+        plan = _named(graph, view, policy.name, regions)
+        if policy.name == "memory-aware" and plan.memory.peak_bytes > base.memory.peak_bytes:
             notes["fell_back_to_off"] = True  # the rule's byte check is local; the peak is global
-            plan = Plan(graph, set(), 0, off)
+            plan = base
     notes.update(
         recompute_flops=plan.recompute_flops,
         mirrored=len(plan.mirrored),
@@ -128,12 +135,12 @@ def mirror_pass(graph: TrainGraph, config: Any) -> TrainGraph:
     return plan.graph
 
 
-def _named(graph: TrainGraph, view: ForwardView, name: str) -> Plan:
+def _named(graph: TrainGraph, view: ForwardView, name: str, regions: set[fx.Node]) -> Plan:
     if name == "all":
-        return build(graph, select.naive(view), share_all)
+        return build(graph, select.naive(view) | regions, share_all)
     if name == "sqrt":
-        return build(graph, select.sqrt_checkpoints(view), share_all)
-    return build(graph, select.memory_aware(view), share_expensive)
+        return build(graph, select.sqrt_checkpoints(view) | regions, share_all)
+    return build(graph, select.memory_aware(view) | regions, share_expensive)
 
 
 def build(graph: TrainGraph, mirrored: set[fx.Node], share: Share) -> Plan:
@@ -146,22 +153,24 @@ def build(graph: TrainGraph, mirrored: set[fx.Node], share: Share) -> Plan:
     return Plan(planned, names, flops, simulate(planned))
 
 
-def _fit_budget(graph: TrainGraph, view: ForwardView, policy: MirrorPolicy, off: SimulatedMemory,
+def _fit_budget(graph: TrainGraph, view: ForwardView, policy: MirrorPolicy, off: Plan, regions: set[fx.Node],
                 notes: dict[str, Any]) -> Plan:
     """The least recompute whose simulated peak fits; candidates from a parametric min-cut sweep.
 
     Min-cut is exact for "kept bytes + price x flops"; sweeping the price traces the trade-off
     curve, and simulating each point checks the real objective (the peak, which is not additive).
     Each cut is tried with recompute copies shared (Chen-style) and redone per reader; the
-    memory-aware and sqrt plans join the pool, so a budget is never worse than either.
+    memory-aware and sqrt plans join the pool, so a budget is never worse than either. Every
+    candidate recomputes the checkpoint regions too; the budget is a fraction of ``off``'s peak.
     """
-    budget = policy.budget_bytes if policy.budget_bytes is not None else int(policy.fraction * off.peak_bytes)  # type: ignore[operator]
+    budget = policy.budget_bytes if policy.budget_bytes is not None else int(policy.fraction * off.memory.peak_bytes)  # type: ignore[operator]
     cuts = [select.min_cut(view, price) for price in select.price_sweep()]
     decisions: list[tuple[set[fx.Node], Share]] = [(set(), share_all), (select.memory_aware(view), share_expensive),
                                                    (select.sqrt_checkpoints(view), share_all)]
     decisions += [(cut, share) for cut in cuts for share in (share_expensive, share_all)]
     plans: dict[tuple[frozenset[str], Share], Plan] = {}
     for decision, share in decisions:
+        decision = decision | regions
         key = (frozenset(n.name for n in decision), share)
         if key not in plans:
             plans[key] = build(graph, decision, share)

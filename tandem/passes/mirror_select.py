@@ -13,6 +13,7 @@ import networkx as nx
 import torch.fx as fx
 
 from tandem.graph import cost
+from tandem.graph.train_graph import MetaKey
 from tandem.passes.mirror_graph import ForwardView
 
 Recomputable = Callable[[fx.Node], bool]
@@ -46,6 +47,20 @@ def closure(view: ForwardView, seeds: Iterable[fx.Node], can_rerun: Recomputable
         mirrored.add(node)
         pending.extend(a for a in view.forward_inputs(node) if can_rerun(a) and not stop(a))
     return mirrored
+
+
+def checkpointed(view: ForwardView) -> set[fx.Node]:
+    """What the model wrapped in ``torch.utils.checkpoint``: every value made inside a region,
+    except what leaves it (a region's outputs feed later forward ops and are kept, as eager keeps
+    the next region's inputs). Random ops stay kept: their outputs are replayed from the mask."""
+    region_of = {n: n.meta[MetaKey.CHECKPOINT] for n in view.forward if MetaKey.CHECKPOINT in n.meta}
+    can_rerun = rerunnable(view, expensive_ok=True)
+
+    def inside(node: fx.Node) -> bool:
+        region = region_of[node]
+        return all(region_of.get(user) == region or view.is_backward(user) for user in node.users)
+
+    return {n for n in region_of if inside(n) and can_rerun(n)}
 
 
 def naive(view: ForwardView) -> set[fx.Node]:

@@ -139,8 +139,10 @@ def test_bad_arguments_are_named() -> None:
         tandem.compile(lambda x: x, lambda m, x: x.sum(), x)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['bulk_size'\]"):
         tandem.compile(nn.Linear(4, 1), lambda m, x: m(x).sum(), x, bulk_size=3)
-    with pytest.raises(TypeError, match="batch element 1 is a int"):
-        tandem.compile(nn.Linear(4, 1), lambda m, x, k: m(x).sum(), x, 3)
+    with pytest.raises(TypeError, match="neither a tensor nor hashable"):
+        tandem.compile(nn.Linear(4, 1), lambda m, x, k: m(x).sum(), x, bytearray(b"3"))
+    with pytest.raises(TypeError, match="holds no tensor"):
+        tandem.compile(nn.Linear(4, 1), lambda m, k: m(torch.ones(1, 4)).sum(), 3)
 
 
 def test_capture_leaves_the_rng_stream_alone() -> None:

@@ -1,15 +1,20 @@
-"""Trainer: optimizers against torch.optim, digits accuracy, exact checkpoint resume."""
+"""Trainer: optimizers against torch.optim, digits accuracy, exact checkpoint resume, data sources."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import tandem
 from tandem import data, models, optim
+from tandem.graph.batch import as_arguments
 from tests.conftest import zoo_case
 
 
@@ -109,3 +114,134 @@ def test_unknown_trainer_option_is_named() -> None:
     module, loss_fn, _ = zoo_case("mlp")
     with pytest.raises(TypeError, match=r"unknown Trainer option\(s\) \['lr'\]"):
         tandem.Trainer(module, loss_fn, optim.SGD(lr=0.1), lr=0.1)
+
+
+# -- data sources: any map-style Dataset, a DataLoader, dict batches ----------------------------------
+class _Samples(Dataset):
+    """A plain map-style data set (not a TensorDataset): sample ``i`` as ``(x, y)``, or as a dict."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, keys: tuple[str, str] | None = None) -> None:
+        self.x, self.y, self.keys = x, y, keys
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> Any:
+        if self.keys is None:
+            return self.x[index], self.y[index]
+        return {self.keys[0]: self.x[index], self.keys[1]: self.y[index]}
+
+
+def _classifier_case(samples: int = 28) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    rng = torch.Generator().manual_seed(1)
+    x = torch.randn(samples, 6, generator=rng, dtype=torch.float64)
+    return module, x, torch.randint(0, 3, (samples,), generator=rng)
+
+
+def _xy_loss(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(module(x), y)
+
+
+def _dict_loss(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(module(batch["x"]), batch["y"])
+
+
+def _eager_fit(module: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], epochs: Iterable[Iterable[Any]]) -> int:
+    """torch.optim.SGD over the same batches, each item spread like the Trainer does. Returns the steps."""
+    optimizer, steps = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9), 0
+    for batches in epochs:
+        for item in batches:
+            optimizer.zero_grad()
+            loss_fn(module, *as_arguments(item)).backward()
+            optimizer.step()
+            steps += 1
+    return steps
+
+
+def _assert_same_parameters(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_fit_batches_a_plain_dataset_shuffled_by_seed_and_epoch() -> None:
+    module, x, y = _classifier_case()
+    reference, dataset = copy.deepcopy(module), _Samples(x, y)
+    trainer = tandem.Trainer(module, _xy_loss, optim.SGD(lr=0.1, momentum=0.9), batch_size=8, seed=3, progress=False)
+    history = trainer.fit(dataset, epochs=2)
+    # the contract: the batches of the TensorDataset of the same tensors, drop_last (28 samples: 3 batches of 8)
+    tensors = TensorDataset(x, y)
+    steps = _eager_fit(reference, _xy_loss, [data.batches(tensors, 8, shuffle=True, seed=3, epoch=epoch,
+                                                          drop_last=True) for epoch in range(2)])
+    assert trainer.step_count == steps == 6 and len(history) == 2
+    _assert_same_parameters(module, reference)
+
+
+def test_fit_iterates_a_data_loader_as_is() -> None:
+    module, x, y = _classifier_case()
+    reference = copy.deepcopy(module)
+    loader = DataLoader(_Samples(x, y), batch_size=10)  # batches of 10, 10, 8: the last one captures again
+    trainer = tandem.Trainer(module, _xy_loss, optim.SGD(lr=0.1, momentum=0.9), batch_size=64, progress=False)
+    trainer.fit(loader, epochs=2)
+    steps = _eager_fit(reference, _xy_loss, [loader, loader])
+    assert trainer.step_count == steps == 6
+    _assert_same_parameters(module, reference)
+
+
+def test_fit_over_a_dataset_of_dicts() -> None:
+    module, x, y = _classifier_case()
+    reference, dataset = copy.deepcopy(module), _Samples(x, y, keys=("x", "y"))
+    trainer = tandem.Trainer(module, _dict_loss, optim.SGD(lr=0.1, momentum=0.9), batch_size=8, shuffle=False,
+                             progress=False)
+    trainer.fit(dataset, epochs=2)
+    steps = _eager_fit(reference, _dict_loss, [DataLoader(dataset, batch_size=8, drop_last=True)] * 2)
+    assert trainer.step_count == steps == 6
+    _assert_same_parameters(module, reference)
+
+
+def test_evaluate_accuracy_of_dict_labels_skips_ignored_positions() -> None:
+    module, x, y = _classifier_case(samples=20)
+    y[::3] = -100  # transformers' ignore index: neither in the loss nor in the accuracy
+
+    def loss_fn(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(module(batch["x"]), batch["labels"])
+
+    trainer = tandem.Trainer(module, loss_fn, optim.SGD(lr=0.1), batch_size=8, progress=False)
+    metrics = trainer.evaluate(_Samples(x, y, keys=("x", "labels")))  # batches of 8, 8, 4: every sample
+    with torch.no_grad():
+        logits = module(x)
+        losses = [loss_fn(module, {"x": x[i:i + 8], "labels": y[i:i + 8]}) for i in range(0, 20, 8)]
+    counted = y != -100
+    assert metrics["accuracy"] == pytest.approx(float((logits.argmax(-1) == y)[counted].float().mean()))
+    assert metrics["loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-9)
+
+
+def test_evaluate_counts_accuracy_only_for_integer_targets() -> None:
+    module, x, y = _classifier_case(samples=16)
+    trainer = tandem.Trainer(module, _xy_loss, optim.SGD(lr=0.1), batch_size=8, progress=False)
+    metrics = trainer.evaluate(_Samples(x, y))
+    with torch.no_grad():
+        assert metrics["accuracy"] == pytest.approx(float((module(x).argmax(-1) == y).double().mean()))
+
+    def regression(module: torch.nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(module(x), target)
+
+    targets = torch.zeros(16, 3, dtype=torch.float64)
+    regressor = tandem.Trainer(module, regression, optim.SGD(lr=0.1), batch_size=8, progress=False)
+    assert set(regressor.evaluate(_Samples(x, targets))) == {"loss"}
+
+
+def test_trainer_batches_of_a_dataset_are_reproducible_per_seed_and_epoch() -> None:
+    module, x, y = _classifier_case(samples=40)
+    dataset = _Samples(torch.arange(40), y)
+
+    def order(seed: int, epoch: int) -> torch.Tensor:
+        trainer = tandem.Trainer(module, _xy_loss, optim.SGD(lr=0.1), batch_size=8, seed=seed, progress=False)
+        trainer.epoch = epoch
+        return torch.cat([as_arguments(item)[0] for item in trainer._batches(dataset, train=True)])
+
+    assert torch.equal(order(3, 1), order(3, 1))
+    assert torch.equal(order(3, 0).sort().values, torch.arange(40))
+    assert not torch.equal(order(3, 0), order(3, 1))
+    assert not torch.equal(order(3, 0), order(4, 0))

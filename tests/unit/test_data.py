@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Subset, TensorDataset
 
-from tandem.data import batches, digits, shard, synthetic_images, synthetic_tokens
+from tandem.data import batches, digits, loader, shard, synthetic_images, synthetic_tokens
 from tandem.data.digits import _split
 
 DIGITS_TOTAL = 1797
@@ -114,3 +114,45 @@ def test_synthetic_tokens_shifted_deterministic_and_learnable() -> None:
         (pairs[:, 0], pairs[:, 1]), torch.ones(len(pairs)), accumulate=True
     )
     assert (table.max(1).values.sum() / len(pairs)) > 0.5
+
+
+class _Pairs(torch.utils.data.Dataset):
+    """A map-style data set that is not a TensorDataset: sample ``i`` as a dict."""
+
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"index": torch.tensor(index), "double": torch.tensor(2 * index)}
+
+
+def test_loader_shuffle_is_reproducible_per_seed_and_epoch() -> None:
+    def order(**kwargs: int) -> torch.Tensor:
+        return torch.cat([batch["index"] for batch in loader(_Pairs(), 8, shuffle=True, **kwargs)])
+
+    assert torch.equal(order(seed=3, epoch=1), order(seed=3, epoch=1))
+    assert torch.equal(order().sort().values, torch.arange(50))
+    assert not torch.equal(order(epoch=0), order(epoch=1))
+    assert not torch.equal(order(seed=0), order(seed=1))
+    # the same order as batches() of the TensorDataset of the same samples
+    fast = torch.cat([x for (x,) in batches(TensorDataset(torch.arange(50)), 8, shuffle=True, seed=3, epoch=1)])
+    assert torch.equal(order(seed=3, epoch=1), fast)
+
+
+def test_loader_is_reiterable_with_the_same_batches() -> None:
+    """A DataLoader's own generator advances on every iter(); the loader's order does not."""
+    shuffled = loader(_Pairs(), 8, shuffle=True, seed=5, epoch=2)
+    first_pass = [batch["index"] for batch in shuffled]
+    iter(shuffled)  # an iterator made and dropped (as tqdm.auto does) changes nothing
+    assert all(torch.equal(a, b["index"]) for a, b in zip(first_pass, shuffled, strict=True))
+
+
+def test_loader_collates_dicts_drops_last_and_leaves_the_global_rng() -> None:
+    state = torch.get_rng_state()
+    plain = list(loader(_Pairs(), 8))
+    assert [len(batch["index"]) for batch in plain] == [8] * 6 + [2]
+    assert all(torch.equal(batch["double"], 2 * batch["index"]) for batch in plain)
+    assert len(list(loader(_Pairs(), 8, shuffle=True, drop_last=True))) == 6
+    assert torch.equal(torch.get_rng_state(), state)  # dropout's stream is not advanced by data loading
+    with pytest.raises(ValueError, match="batch_size"):
+        loader(_Pairs(), 0)
