@@ -72,6 +72,9 @@ class MemoryStats:
     peak_bytes: int = 0
     saved_bytes: int = 0
     live_bytes_at_end: int = 0
+    # on an accelerator with allocator statistics (cuda, xpu, ...): the allocator's own peak during
+    # the step above what was allocated before it (block rounding and workspaces included); None on the CPU
+    allocator_peak_bytes: int | None = None
 
 
 class Executor:
@@ -167,6 +170,7 @@ class Executor:
         meter = _MemoryMeter(inputs)
         held: dict[int, list[int]] = {}
         stats = MemoryStats()
+        allocator = _AllocatorPeak(inputs)
         boundary_done = False
         with torch.no_grad():
             for segment in self.segments:
@@ -185,6 +189,7 @@ class Executor:
         if not boundary_done:
             stats.saved_bytes = meter.live_bytes
         stats.peak_bytes, stats.live_bytes_at_end = meter.peak_bytes, meter.live_bytes
+        stats.allocator_peak_bytes = allocator.peak_bytes()
         return [slots[i] for i in self.output_slots], stats
 
     def _announce(self, segment: Segment, slots: list[Any]) -> None:
@@ -228,6 +233,25 @@ class _MemoryMeter:
             if self._references[key] == 0:  # the last slot holding this storage let go: freed
                 del self._references[key]
                 self.live_bytes -= self._sizes.pop(key)
+
+
+class _AllocatorPeak:
+    """The device allocator's peak over a measured step, where the inputs live on an accelerator whose
+    torch module keeps allocator statistics (``torch.cuda``, ``torch.xpu``, ...)."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        devices = {t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type != "cpu"}
+        self.device = next(iter(devices)) if len(devices) == 1 else None
+        backend = getattr(torch, self.device.type, None) if self.device is not None else None
+        self.backend = backend if hasattr(backend, "max_memory_allocated") else None
+        if self.backend is not None:
+            self.backend.reset_peak_memory_stats(self.device)
+            self.base = self.backend.memory_allocated(self.device)
+
+    def peak_bytes(self) -> int | None:
+        if self.backend is None:
+            return None
+        return int(self.backend.max_memory_allocated(self.device) - self.base)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

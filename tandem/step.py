@@ -107,6 +107,7 @@ class TrainStep:
         return {
             "peak_bytes": memory.peak_bytes,
             "saved_bytes": memory.saved_bytes,
+            "allocator_peak_bytes": memory.allocator_peak_bytes,
             "num_nodes": len(graph.op_nodes()),
             "num_segments": len(compiled.executor.segments),
             **graph.notes.get("memory", {}),

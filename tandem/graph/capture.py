@@ -111,7 +111,7 @@ def capture_inference(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any]) 
     was_training = module.training
     module.eval()
     try:
-        with _tracing(wrapper, []) as stack:
+        with _tracing(wrapper, [], tensors) as stack:
             try:
                 graph_module, signature = aot_export_module(wrapper, tuple(tensors), trace_joint=False)
             except CaptureError:
@@ -152,7 +152,7 @@ def _export(wrapper: _LossModule, tensors: Sequence[torch.Tensor], unused: list[
             regions: list[int]) -> tuple[Any, Any]:
     from torch._functorch.aot_autograd import aot_export_module
 
-    with _tracing(wrapper, regions) as stack, _without_gradient(wrapper, unused):
+    with _tracing(wrapper, regions, tensors) as stack, _without_gradient(wrapper, unused):
         try:
             return aot_export_module(wrapper, tuple(tensors), trace_joint=True, output_loss_index=0)
         except CaptureError:
@@ -175,7 +175,7 @@ def _unused_parameters(wrapper: _LossModule, tensors: Sequence[torch.Tensor]) ->
     params = {n: p.detach().clone().requires_grad_(p.requires_grad)
               for n, p in wrapper.named_parameters(remove_duplicate=False)}
     buffers = {n: b.detach().clone() for n, b in wrapper.named_buffers(remove_duplicate=False)}
-    with torch.random.fork_rng(devices=[]), torch.enable_grad(), _compiling():
+    with _forked_rng(tensors), torch.enable_grad(), _compiling():
         (loss,) = torch.func.functional_call(wrapper, {**params, **buffers}, tuple(tensors), tie_weights=False)
         trainable = [n for n, p in params.items() if p.requires_grad]
         grads = torch.autograd.grad(loss, [params[n] for n in trainable], allow_unused=True)
@@ -230,12 +230,19 @@ def _compiling() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _tracing(root: nn.Module, regions: list[int]) -> Iterator[list[str]]:
+def _tracing(root: nn.Module, regions: list[int], tensors: Sequence[torch.Tensor]) -> Iterator[list[str]]:
     """Everything a trace runs under: the compiling state, a fork of the RNG (tracing draws random
     numbers for dropout; the user's stream must not move), the module stack for error messages,
     and the record of modules called inside checkpoint regions."""
-    with _compiling(), torch.random.fork_rng(devices=[]), _module_stack(root, regions) as stack:
+    with _compiling(), _forked_rng(tensors), _module_stack(root, regions) as stack:
         yield stack
+
+
+def _forked_rng(tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """Fork the CPU generator and the generators of the accelerator the batch lives on."""
+    accelerators = {t.device for t in tensors if t.device.type != "cpu"}
+    device_type = next(iter(accelerators)).type if accelerators else "cuda"
+    return torch.random.fork_rng(devices=[d.index or 0 for d in accelerators], device_type=device_type)
 
 
 @contextlib.contextmanager
