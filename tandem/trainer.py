@@ -14,6 +14,7 @@ torch.optim.Optimizer bound to the module's parameters works too (gradients go t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -79,6 +80,11 @@ class Trainer:
             raise TypeError(f"Trainer needs a torch.nn.Module, got {type(module).__name__}")
         self.module = module
         self.loss_fn = loss_fn
+        from tandem.optim import Optimizer
+
+        if not isinstance(optimizer, Optimizer | torch.optim.Optimizer):
+            raise TypeError(f"Trainer needs an optimizer: a tandem.optim update rule (e.g. tandem.optim.SGD(lr=0.1)) "
+                            f"or a torch.optim.Optimizer over the module's parameters, got {type(optimizer).__name__}")
         self.optimizer = optimizer
         self.config = TrainerConfig.from_options(options)
         self.step_count = 0
@@ -279,6 +285,7 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs: model, optimizer settings and state, step, epoch, RNG state."""
         self.sync()
         optimizer: dict[str, Any]
         if isinstance(self.optimizer, torch.optim.Optimizer):
@@ -305,7 +312,11 @@ class Trainer:
             self.optimizer.load_state_dict(optimizer["torch"])
         else:
             self._states = {n: {k: v.clone() for k, v in s.items()} for n, s in optimizer["state"].items()}
-            self.optimizer.lr = optimizer["config"].get("lr", self.optimizer.lr)
+            saved = type(self.optimizer).from_config(optimizer["config"])  # every setting, not only lr
+            if type(saved) is not type(self.optimizer):
+                raise ValueError(f"the checkpoint's optimizer is {saved.name!r}, this Trainer's {self.optimizer.name!r}")
+            for setting in dataclasses.fields(saved):  # in place: whoever holds the optimizer sees them
+                setattr(self.optimizer, setting.name, getattr(saved, setting.name))
         self.step_count, self.epoch = state["step"], state["epoch"]
         torch.set_rng_state(state["rng"])
 

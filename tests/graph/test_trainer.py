@@ -245,3 +245,22 @@ def test_trainer_batches_of_a_dataset_are_reproducible_per_seed_and_epoch() -> N
     assert torch.equal(order(3, 0).sort().values, torch.arange(40))
     assert not torch.equal(order(3, 0), order(3, 1))
     assert not torch.equal(order(3, 0), order(4, 0))
+
+
+def test_trainer_rejects_a_missing_optimizer_at_once() -> None:
+    with pytest.raises(TypeError, match=r"Trainer needs an optimizer.*got NoneType"):
+        tandem.Trainer(torch.nn.Linear(2, 1), lambda m, x: m(x).sum(), None)
+
+
+def test_checkpoint_restores_every_optimizer_setting(tmp_path: Any) -> None:
+    module = torch.nn.Linear(3, 1)
+    loss_fn = lambda m, x: m(x).pow(2).sum()  # noqa: E731
+    x = torch.randn(4, 3)
+    trainer = tandem.Trainer(module, loss_fn, tandem.optim.AdamW(lr=0.01, betas=(0.8, 0.9), weight_decay=0.1),
+                             progress=False)
+    trainer.step(x)
+    trainer.save(str(tmp_path / "ckpt.pt"))
+    other = tandem.Trainer(torch.nn.Linear(3, 1), loss_fn, tandem.optim.AdamW(lr=0.5), progress=False)
+    other.load(str(tmp_path / "ckpt.pt"))
+    assert other.optimizer.to_config() == trainer.optimizer.to_config()
+    assert "resume" in (tandem.Trainer.state_dict.__doc__ or "")
