@@ -85,7 +85,7 @@ class Trainer:
         if not isinstance(optimizer, Optimizer | torch.optim.Optimizer):
             raise TypeError(f"Trainer needs an optimizer: a tandem.optim update rule (e.g. tandem.optim.SGD(lr=0.1)) "
                             f"or a torch.optim.Optimizer over the module's parameters, got {type(optimizer).__name__}")
-        self.optimizer = optimizer
+        self.optimizer: Any = optimizer
         self.config = TrainerConfig.from_options(options)
         self.step_count = 0
         self.epoch = 0
@@ -315,7 +315,7 @@ class Trainer:
             saved = type(self.optimizer).from_config(optimizer["config"])  # every setting, not only lr
             if type(saved) is not type(self.optimizer):
                 raise ValueError(f"the checkpoint's optimizer is {saved.name!r}, this Trainer's {self.optimizer.name!r}")
-            for setting in dataclasses.fields(saved):  # in place: whoever holds the optimizer sees them
+            for setting in dataclasses.fields(saved):  # type: ignore[arg-type]  # in place: whoever holds the optimizer sees them
                 setattr(self.optimizer, setting.name, getattr(saved, setting.name))
         self.step_count, self.epoch = state["step"], state["epoch"]
         torch.set_rng_state(state["rng"])
