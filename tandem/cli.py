@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-DATASETS = ("digits", "synthetic-images", "synthetic-tokens")
+DATASETS = ("digits", "synthetic-images", "synthetic-tokens", "pydoc-text")
+MODELS = ("mlp", "resnet", "vgg", "lstm_lm", "gpt", "hf-gpt2", "hf-llama")
+TEXT_DATA = ("pydoc-text",)  # dict batches whose labels the model shifts itself: no accuracy to report
+TOKEN_DATA = ("synthetic-tokens", *TEXT_DATA)  # language modelling: perplexity = exp(mean token loss)
 
 
 # Sensible model sizes per data set; --model-arg key=value overrides any of them.
@@ -29,6 +33,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "lstm_lm": {"vocab_size": 512, "embed_dim": 128, "hidden": 128},
         "gpt": {"vocab_size": 512, "block_size": 64},
     },
+    # transformers causal LMs (tandem.models.LIBRARY) built from their config classes: byte-level
+    # (vocab 256), 64 positions, 2 layers, hidden 64; the data blocks are as long as the positions
+    "pydoc-text": {"hf-gpt2": {}, "hf-llama": {}},
 }
 
 
@@ -37,7 +44,7 @@ def _model_config(model: str, dataset: str, overrides: dict[str, Any]) -> dict[s
     if base is None:
         raise SystemExit(f"tandem train: model {model!r} does not fit data {dataset!r}; "
                          "image models (mlp, resnet, vgg) take digits or synthetic-images, "
-                         "lstm_lm and gpt take synthetic-tokens")
+                         "lstm_lm and gpt take synthetic-tokens, hf-gpt2 and hf-llama take pydoc-text")
     return {**base, **overrides}
 
 
@@ -60,10 +67,40 @@ def _datasets(args: argparse.Namespace, model_config: dict[str, Any]) -> tuple[A
     if args.data == "synthetic-images":
         return (data.synthetic_images(args.samples, seed=args.seed),
                 data.synthetic_images(max(args.samples // 5, 1), seed=args.seed + 1))
+    if args.data == "pydoc-text":
+        from tandem.models.library import BLOCK_SIZE, positions
+
+        block_size = positions(model_config) or BLOCK_SIZE
+        return data.pydoc_text("train", block_size=block_size), data.pydoc_text("validation", block_size=block_size)
     seq_len = min(64, model_config.get("block_size", 64))
     vocab = model_config.get("vocab_size", 512)
     return (data.synthetic_tokens(args.samples, seq_len=seq_len, vocab_size=vocab, seed=args.seed),
             data.synthetic_tokens(max(args.samples // 5, 1), seq_len=seq_len, vocab_size=vocab, seed=args.seed + 1))
+
+
+def _first(dataset: Any, count: int | None) -> Any:
+    """The first ``count`` samples of ``dataset`` (all of them when ``count`` is None)."""
+    if count is None or count >= len(dataset):
+        return dataset
+    from torch.utils.data import Subset, TensorDataset
+
+    if isinstance(dataset, TensorDataset):  # stays a TensorDataset: batched by slicing
+        return TensorDataset(*(tensor[:count] for tensor in dataset.tensors))
+    return Subset(dataset, range(count))
+
+
+def _with_perplexity(record: dict[str, float], data: str) -> dict[str, float]:
+    """An epoch's record with perplexities (exp of the mean token loss) on language-model data, and
+    without accuracy where the labels are unshifted (the model shifts them: evaluate's is meaningless)."""
+    if data in TEXT_DATA:
+        record.pop("eval_accuracy", None)
+    if data in TOKEN_DATA:
+        record["train_perplexity"] = math.exp(min(record["train_loss"], MAX_LOG_PERPLEXITY))
+        record["eval_perplexity"] = math.exp(min(record["eval_loss"], MAX_LOG_PERPLEXITY))
+    return record
+
+
+MAX_LOG_PERPLEXITY = 700.0  # exp() of more overflows a float: a diverged run reports ~1e304, not an error
 
 
 def _optimizer(args: argparse.Namespace) -> Any:
@@ -90,9 +127,17 @@ def train(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     overrides = dict(_split_pair(item, "--model-arg") for item in args.model_arg)
     config = _model_config(args.model, args.data, {k: _parse_value(v) for k, v in overrides.items()})
-    module = models.build(args.model, **config)
-    entry = models.ZOO[args.model]
+    entry = models.lookup(args.model)
+    try:
+        module = entry.build(**config)
+    except ImportError as error:  # a library model whose library (the models extra) is not installed
+        raise SystemExit(f"tandem train: {error}") from None
+    for flag in ("max_train_samples", "max_eval_samples"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"tandem train: --{flag.replace('_', '-')} must be >= 1")
     train_set, test_set = _datasets(args, config)
+    train_set, test_set = _first(train_set, args.max_train_samples), _first(test_set, args.max_eval_samples)
+    split = "validation" if args.data in TEXT_DATA else "test"
     workers = knob("TANDEM_NUM_WORKERS") if args.kvstore not in (None, "local") else 1
     if args.batch_size % workers:
         raise SystemExit(f"--batch-size {args.batch_size} is the global batch: it must divide by the {workers} workers")
@@ -111,16 +156,18 @@ def train(args: argparse.Namespace) -> int:
     parameters = sum(p.numel() for p in module.parameters())
     where = f" on worker {rank} of {workers}" if workers > 1 else ""
     print(f"tandem: training {args.model} ({parameters / 1e6:.2f}M parameters) on {args.data} "
-          f"({len(train_set)} train / {len(test_set)} test samples), global batch {args.batch_size}, "
+          f"({len(train_set)} train / {len(test_set)} {split} samples), global batch {args.batch_size}, "
           f"{args.epochs} epochs{where}")
     start = time.perf_counter()
     history = []
     for _ in range(args.epochs):
-        record = trainer.fit(train_set, epochs=1, eval_data=test_set)[0]
+        record = _with_perplexity(trainer.fit(train_set, epochs=1, eval_data=test_set)[0], args.data)
         history.append(record)
-        accuracy = f", test accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""
+        accuracy = f", {split} accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""
+        perplexity = f", {split} perplexity {record['eval_perplexity']:.2f}" if "eval_perplexity" in record else ""
         print(f"epoch {int(record['epoch'])}: train loss {record['train_loss']:.4f}, "
-              f"test loss {record['eval_loss']:.4f}{accuracy}, {record['samples_per_s'] * workers:.0f} samples/s")
+              f"{split} loss {record['eval_loss']:.4f}{accuracy}{perplexity}, "
+              f"{record['samples_per_s'] * workers:.0f} samples/s")
     elapsed = time.perf_counter() - start
     if args.save:
         trainer.save(args.save)
@@ -130,10 +177,12 @@ def train(args: argparse.Namespace) -> int:
     trainer.close()
     suffix = f"-rank{rank}" if workers > 1 else ""
     (out / f"history{suffix}.json").write_text(json.dumps(history, indent=1))
-    plot = _plot_history(history, out / f"training{suffix}.png", f"{args.model} on {args.data}")
-    accuracy = f"test_accuracy={final['eval_accuracy']:.4f} " if "eval_accuracy" in final else ""
-    print(f"tandem: done: model={args.model} data={args.data} epochs={args.epochs} {accuracy}"
-          f"test_loss={final['eval_loss']:.4f} samples_per_s={final['samples_per_s'] * workers:.0f} "
+    title = f"{args.model} on {args.data}" + (f", worker {rank}" if workers > 1 else "")
+    plot = _plot_history(history, out / f"training{suffix}.png", title, split)
+    accuracy = f"{split}_accuracy={final['eval_accuracy']:.4f} " if "eval_accuracy" in final else ""
+    perplexity = f"{split}_perplexity={final['eval_perplexity']:.2f} " if "eval_perplexity" in final else ""
+    print(f"tandem: done: model={args.model} data={args.data} epochs={args.epochs} {accuracy}{perplexity}"
+          f"{split}_loss={final['eval_loss']:.4f} samples_per_s={final['samples_per_s'] * workers:.0f} "
           f"peak_activation_MB={report['peak_bytes'] / 2**20:.1f} time={elapsed:.1f}s")
     trace_path = os.environ.get("TANDEM_TRACE", "")
     print(f"tandem: outputs: history and plot {plot}"
@@ -141,21 +190,33 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_history(history: list[dict[str, float]], path: Path, title: str) -> Path:
+def _plot_history(history: list[dict[str, float]], path: Path, title: str, split: str = "test") -> Path:
+    """Loss per epoch (train and eval) on the left; on the right the eval accuracy, or on language-model
+    data the train and eval perplexity (the first and last eval values written out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     epochs = [r["epoch"] for r in history]
-    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(9, 3.5))
+    figure, (loss_axis, right_axis) = plt.subplots(1, 2, figsize=(9, 3.5))
     loss_axis.plot(epochs, [r["train_loss"] for r in history], marker="o", label="train")
-    loss_axis.plot(epochs, [r["eval_loss"] for r in history], marker="o", label="test")
+    loss_axis.plot(epochs, [r["eval_loss"] for r in history], marker="o", label=split)
     loss_axis.set(xlabel="epoch", ylabel="loss", title=title)
     loss_axis.legend()
-    if all("eval_accuracy" in r for r in history):
-        accuracy_axis.plot(epochs, [r["eval_accuracy"] for r in history], marker="o", color="C2")
-        accuracy_axis.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1))
+    if all("eval_perplexity" in r for r in history):
+        right_axis.plot(epochs, [r["train_perplexity"] for r in history], marker="o", label="train")
+        right_axis.plot(epochs, [r["eval_perplexity"] for r in history], marker="o", label=split)
+        for record in [history[0], history[-1]] if len(history) > 1 else history:  # first and last values
+            right_axis.annotate(f"{record['eval_perplexity']:.2f}", (record["epoch"], record["eval_perplexity"]),
+                                textcoords="offset points", xytext=(0, 6), ha="center", color="C1")
+        right_axis.set(xlabel="epoch", ylabel="perplexity (exp loss)", title="perplexity (lower is better)")
+        right_axis.legend()
+    elif all("eval_accuracy" in r for r in history):
+        right_axis.plot(epochs, [r["eval_accuracy"] for r in history], marker="o", color="C2")
+        right_axis.set(xlabel="epoch", ylabel=f"{split} accuracy", ylim=(0, 1))
+    for axis in (loss_axis, right_axis):
+        axis.xaxis.get_major_locator().set_params(integer=True)  # whole epochs
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -180,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("train", help="train a zoo model on a data set, with a progress bar")
-    p.add_argument("--model", default="resnet", choices=["mlp", "resnet", "vgg", "lstm_lm", "gpt"])
+    p.add_argument("--model", default="resnet", choices=MODELS,
+                   help="a zoo model, or hf-gpt2 / hf-llama: transformers causal LMs (pip install -e .[models])")
     p.add_argument("--data", default="digits", choices=DATASETS)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=64, help="global batch (split over the workers)")
@@ -203,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a distributed kvstore: where the optimizer runs (default: servers)")
     p.add_argument("--out", default="runs/latest", help="directory for history.json and the training plot")
     p.add_argument("--samples", type=int, default=4096, help="size of synthetic data sets")
+    p.add_argument("--max-train-samples", type=int, default=None, metavar="N",
+                   help="train on the first N samples of the train split only (quick runs)")
+    p.add_argument("--max-eval-samples", type=int, default=None, metavar="N",
+                   help="evaluate on the first N samples of the test / validation split only")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model constructor overrides")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")

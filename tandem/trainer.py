@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from torch import nn
@@ -207,14 +208,16 @@ class Trainer:
         history: list[dict[str, float]] = []
         for _ in range(epochs):
             batches = self._batches(train_data, train=True)
-            bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", disable=not self.config.progress, leave=False)
+            bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", disable=not self.config.progress, leave=False,
+                       **_progress_options())
             samples, loss_sum, count, start = 0, 0.0, 0, time.perf_counter()
             for item in bar:
                 batch = as_arguments(item)
                 loss = self.step(*batch)
                 samples += batch_size_of(batch)
                 loss_sum, count = loss_sum + loss, count + 1
-                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / (time.perf_counter() - start):.0f}")
+                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / (time.perf_counter() - start):.0f}",
+                                refresh=False)  # shown at the bar's next redraw (mininterval)
             bar.close()
             self.epoch += 1
             elapsed = time.perf_counter() - start
@@ -332,6 +335,36 @@ class Trainer:
     def load(self, path: str) -> None:
         """Resume from save(): the run continues the trajectory it would have had without stopping."""
         self.load_state_dict(torch.load(path, weights_only=True))
+
+
+PROGRESS_LINE_SECONDS = 5.0  # off a terminal, the progress bar is printed as a new line this often
+
+
+class _ProgressLines:
+    """A stream for tqdm off a terminal (a log file, or `tandem launch`, which prefixes its workers'
+    output line by line): each redraw of the bar becomes a line of its own, and clearing it (only
+    ``\\r`` and spaces) writes nothing; a terminal redraws the bar in place instead."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.encoding = getattr(stream, "encoding", None)  # tqdm draws unicode blocks only for a utf-8 stream
+
+    def write(self, text: str) -> int:
+        line = text.replace("\r", "").rstrip()
+        if line:
+            self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _progress_options() -> dict[str, Any]:
+    """tqdm's options: the live bar on a terminal; elsewhere a line every PROGRESS_LINE_SECONDS."""
+    stream = sys.stderr
+    if stream is None or stream.isatty():
+        return {}
+    return {"file": _ProgressLines(stream), "mininterval": PROGRESS_LINE_SECONDS}
 
 
 IGNORE_INDEX = -100  # targets not counted by evaluate's accuracy (cross_entropy's default ignore_index)

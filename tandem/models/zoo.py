@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.gpt import gpt
+from tandem.models.library import LIBRARY, LibraryEntry
 from tandem.models.losses import classification_loss, lm_loss
 from tandem.models.lstm_lm import lstm_lm
 from tandem.models.mlp import mlp
@@ -162,9 +163,21 @@ ZOO: dict[str, ZooEntry] = {
 }
 
 
-def build(name: str, **overrides: Any) -> nn.Module:
-    """``ZOO[name].build(**overrides)``: the builder's defaults, except what ``overrides`` sets."""
-    entry = ZOO.get(name)
+def lookup(name: str) -> ZooEntry | LibraryEntry:
+    """The entry called ``name``: a ZOO model, or a LIBRARY one (``hf-gpt2``, ``hf-llama``).
+
+    Both have ``build(**overrides)`` and ``loss_fn``; a ValueError lists the valid names.
+    """
+    entry = ZOO.get(name) or LIBRARY.get(name)
     if entry is None:
-        raise ValueError(f"unknown zoo model {name!r}; valid names: {sorted(ZOO)}")
-    return entry.build(**overrides)
+        raise ValueError(f"unknown zoo model {name!r}; valid names: {sorted(ZOO) + sorted(LIBRARY)}")
+    return entry
+
+
+def build(name: str, **overrides: Any) -> nn.Module:
+    """``lookup(name).build(**overrides)``: the builder's defaults, except what ``overrides`` sets.
+
+    A LIBRARY name builds that library model from its config class, ``overrides`` updating the config
+    (an ImportError naming the ``models`` extra where the library is not installed).
+    """
+    return lookup(name).build(**overrides)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -264,3 +266,23 @@ def test_checkpoint_restores_every_optimizer_setting(tmp_path: Any) -> None:
     other.load(str(tmp_path / "ckpt.pt"))
     assert other.optimizer.to_config() == trainer.optimizer.to_config()
     assert "resume" in (tandem.Trainer.state_dict.__doc__ or "")
+
+
+def test_cli_trains_a_transformers_lm_on_python_help_text(tmp_path: Path) -> None:
+    """`tandem train --model hf-gpt2 --data pydoc-text`: dict batches, the model's own loss, perplexity."""
+    from tandem.testing.torchvision_compat import ensure_importable
+
+    ensure_importable()
+    pytest.importorskip("transformers")
+    from tandem.cli import main
+
+    assert main(["train", "--model", "hf-gpt2", "--data", "pydoc-text", "--epochs", "2", "--batch-size", "16",
+                 "--optimizer", "adamw", "--lr", "3e-3", "--max-train-samples", "128", "--max-eval-samples", "64",
+                 "--threads", "1", "--no-progress", "--out", str(tmp_path)]) == 0  # fmt: skip
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert [record["epoch"] for record in history] == [1, 2]
+    for record in history:
+        assert "eval_accuracy" not in record  # unshifted labels: no accuracy reported
+        assert record["eval_perplexity"] == pytest.approx(math.exp(record["eval_loss"]))
+    assert history[1]["eval_perplexity"] < history[0]["eval_perplexity"] < 256
+    assert (tmp_path / "training.png").stat().st_size > 0
