@@ -38,7 +38,7 @@ P3_JOB = ("import json, sys, bench.p3 as p3; r = p3.run_tandem(sys.argv[1], sys.
 # push+pull; "io" switches Client.drive off for that block (the IO thread receives every reply)
 KVSTORE_JOB = """
 import os, sys, time, torch, bench.kvstore as kb
-from tandem.kvstore.dist.client import Client
+from tandem.kvstore.ps.client import Client
 torch.set_num_threads(1)
 processes = kb.Processes()
 try:

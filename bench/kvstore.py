@@ -47,11 +47,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import bar_plot, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
-from tandem.kvstore.dist.protocol import Command, Header, Role, decode_header, encode_header, tensor_bytes  # noqa: E402
-from tandem.kvstore.dist.server import hello_info  # noqa: E402
-from tandem.kvstore.dist.topology import DistOptions, Topology, server_addresses  # noqa: E402
-from tandem.kvstore.dist.transport import ZERO_COPY_BYTES, payload_size  # noqa: E402
-from tandem.kvstore.dist.worker import DistKVStore  # noqa: E402
+from tandem.kvstore.ps.protocol import Command, Header, Role, decode_header, encode_header, tensor_bytes  # noqa: E402
+from tandem.kvstore.ps.server import hello_info  # noqa: E402
+from tandem.kvstore.ps.topology import DistOptions, Topology, server_addresses  # noqa: E402
+from tandem.kvstore.ps.transport import ZERO_COPY_BYTES, payload_size  # noqa: E402
+from tandem.kvstore.ps.worker import DistKVStore  # noqa: E402
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
@@ -169,7 +169,7 @@ def server_job(processes: Processes, servers: int, **env: str) -> tuple[Topology
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     child = _child_env(TANDEM_NUM_WORKERS="1", TANDEM_NUM_SERVERS=str(servers), TANDEM_MASTER_ADDR="127.0.0.1",
                        TANDEM_MASTER_PORT=str(store.port), TANDEM_ROLE="server", **env)  # fmt: skip
-    pids = [processes.start(["-m", "tandem.kvstore.dist"], {**child, "TANDEM_RANK": str(rank)}) for rank in range(servers)]
+    pids = [processes.start(["-m", "tandem.kvstore.ps"], {**child, "TANDEM_RANK": str(rank)}) for rank in range(servers)]
     return Topology("worker", 0, 1, servers, "127.0.0.1", store.port, servers + 1), store, pids
 
 

@@ -39,11 +39,11 @@ def create(kind: str = "local", **options: Any) -> KVStore:
         return LocalKVStore()
     kind = resolve_kind(kind)
     if kind in ("dist_sync", "dist_async"):
-        from tandem.kvstore.dist import connect  # imported late: zmq is only needed for distributed runs
+        from tandem.kvstore.ps import connect  # imported late: zmq is only needed for distributed runs
 
         return connect(kind, **options)
     if kind in ("dist_p3", "dist_p3_async"):
-        from tandem.kvstore.dist.p3 import (
+        from tandem.kvstore.ps.p3 import (
             connect as connect_p3,  # options: slice_size, water_mark, as dist_sync's
         )
 

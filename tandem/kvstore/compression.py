@@ -152,7 +152,7 @@ def encode_into_residual(config: GradientCompression, total: torch.Tensor) -> to
 
 def frames_of(config: GradientCompression, data: torch.Tensor) -> list[memoryview]:
     """The frames (descriptor, data) of values ``encode_into_residual`` compressed with ``config``."""
-    from tandem.kvstore.dist.protocol import tensor_bytes  # late: protocol is the dist side's module
+    from tandem.kvstore.ps.protocol import tensor_bytes  # late: protocol is the dist side's module
 
     threshold = config.threshold if config.type == "2bit" else 0.0
     return [memoryview(DESCRIPTOR.pack(KINDS[config.type], threshold)), tensor_bytes(data)]

@@ -43,14 +43,14 @@ def run_passes(graph: TrainGraph, passes: list[tuple[str, Pass]], config: Any) -
 def default_passes(config: Any) -> list[tuple[str, Pass]]:
     """The planning pipeline, in order. Each pass reads only its own part of the config.
 
-    Dropout's form is chosen first (it depends only on the mirror policy); bulking runs last:
+    Dropout's form is chosen first (it depends only on the mirror policy); segments come last:
     recompute nodes that mirroring inserts belong to backward segments.
     """
     from tandem.passes.dropout import dropout_pass
     from tandem.passes.mirror import mirror_pass
-    from tandem.passes.segments import bulk_pass
+    from tandem.passes.segments import segments_pass
 
-    return [("dropout", dropout_pass), ("mirror", mirror_pass), ("bulk", bulk_pass)]
+    return [("dropout", dropout_pass), ("mirror", mirror_pass), ("segments", segments_pass)]
 
 
 def plan(graph: TrainGraph, config: Any) -> TrainGraph:

@@ -1,4 +1,4 @@
-"""bulk_pass: cut the graph into segments, each run as one engine op (MXNet's op bulking).
+"""segments_pass: cut the graph into segments, each run as one engine op (MXNet's op bulking).
 
 Walk op nodes in graph (execution) order; a segment closes when it holds ``cap`` counted nodes or
 at the forward/backward boundary. Placeholders (parameters, buffers, inputs) are not nodes here at
@@ -48,7 +48,7 @@ def counts_toward_size(node: object) -> bool:
     return getattr(node, "target", None) is not operator.getitem
 
 
-def bulk_pass(graph: TrainGraph, config: object) -> TrainGraph:
+def segments_pass(graph: TrainGraph, config: object) -> TrainGraph:
     """Inference graphs are one segment (nothing to overlap), unless TANDEM_BULK_INFERENCE=0."""
     caps = resolve_caps(getattr(config, "bulk", None), getattr(config, "bulk_fwd", None), getattr(config, "bulk_bwd", None))
     if graph.inference and knob("TANDEM_BULK_INFERENCE"):
@@ -62,5 +62,5 @@ def bulk_pass(graph: TrainGraph, config: object) -> TrainGraph:
             segment, size, phase = segment + 1, 0, node_phase
         node.meta[MetaKey.SEGMENT] = segment
         size += counted
-    graph.notes["bulk"] = {"forward_cap": caps.forward, "backward_cap": caps.backward, "segments": segment + 1}
+    graph.notes["segments"] = {"forward_cap": caps.forward, "backward_cap": caps.backward, "segments": segment + 1}
     return graph

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.kvstore.base import Handle
-from tandem.kvstore.dist.p3 import P3Options
-from tandem.kvstore.dist.p3_queue import LanePriorityQueue
-from tandem.kvstore.dist.p3_tuner import SEND_TIMINGS, SLICE_SIZES, WATER_MARKS, AutoTuner, Config
-from tandem.kvstore.dist.placement import RoundRobinPlacement
+from tandem.kvstore.ps.p3 import P3Options
+from tandem.kvstore.ps.p3_queue import LanePriorityQueue
+from tandem.kvstore.ps.p3_tuner import SEND_TIMINGS, SLICE_SIZES, WATER_MARKS, AutoTuner, Config
+from tandem.kvstore.ps.placement import RoundRobinPlacement
 from tandem.kvstore.errors import KVStoreError
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.kvstore.dist.placement import RangePlacement, Slice, stable_server
+from tandem.kvstore.ps.placement import RangePlacement, Slice, stable_server
 
 
 @given(st.integers(0, 10_000), st.integers(1, 5), st.integers(1, 50))
@@ -36,7 +36,7 @@ def test_big_arrays_split_into_near_equal_contiguous_parts() -> None:
 def test_string_keys_place_the_same_in_every_process() -> None:
     keys = ["layer.0.weight", "layer.0.bias", "embedding", "x"]
     here = [stable_server(key, 7) for key in keys]
-    code = f"from tandem.kvstore.dist.placement import stable_server; print([stable_server(k, 7) for k in {keys!r}])"
+    code = f"from tandem.kvstore.ps.placement import stable_server; print([stable_server(k, 7) for k in {keys!r}])"
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert there.stdout.strip() == str(here)
     assert len(set(stable_server(f"k{i}", 4) for i in range(100))) == 4  # keys spread over servers

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.kvstore.dist.protocol import (
+from tandem.kvstore.ps.protocol import (
     FIXED,
     Command,
     Header,

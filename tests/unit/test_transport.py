@@ -8,9 +8,9 @@ import pytest
 import torch
 import zmq
 
-from tandem.kvstore.dist import transport
-from tandem.kvstore.dist.protocol import Command, Header, Role, decode, tensor_bytes, tensor_from_bytes
-from tandem.kvstore.dist.transport import ZERO_COPY_BYTES, WorkerTransport, snapshot_frame
+from tandem.kvstore.ps import transport
+from tandem.kvstore.ps.protocol import Command, Header, Role, decode, tensor_bytes, tensor_from_bytes
+from tandem.kvstore.ps.transport import ZERO_COPY_BYTES, WorkerTransport, snapshot_frame
 
 PUSH = Header(Command.PUSH, 0, Role.WORKER, 0, key="k")
 

@@ -11,7 +11,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from tandem.kvstore.dist.protocol import Key
+from tandem.kvstore.ps.protocol import Key
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import torch
 
 from tandem.kvstore.base import Handle
-from tandem.kvstore.dist.placement import Placement, Slice
-from tandem.kvstore.dist.protocol import Command, Header, Message, Role, state_from_payloads, state_payloads
+from tandem.kvstore.ps.placement import Placement, Slice
+from tandem.kvstore.ps.protocol import Command, Header, Message, Role, state_from_payloads, state_payloads
 from tandem.kvstore.errors import KVStoreError
 from tandem.kvstore.slots import per_element
 

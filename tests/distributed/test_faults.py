@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.dist.jobs import FAST_FAULTS, REPO, SCRIPTS, job_env, launch_command, run_job
+from tests.distributed.jobs import FAST_FAULTS, REPO, SCRIPTS, job_env, launch_command, run_job
 
 DEADLINE = 30.0
 

@@ -42,9 +42,9 @@ from typing import Any
 
 import zmq
 
-from tandem.kvstore.dist.protocol import Command, Header, Message, Role
-from tandem.kvstore.dist.topology import DistOptions, ServerAddress
-from tandem.kvstore.dist.transport import Incoming, WorkerTransport
+from tandem.kvstore.ps.protocol import Command, Header, Message, Role
+from tandem.kvstore.ps.topology import DistOptions, ServerAddress
+from tandem.kvstore.ps.transport import Incoming, WorkerTransport
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, RemoteError
 
 log = logging.getLogger("tandem.kvstore.worker")

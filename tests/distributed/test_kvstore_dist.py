@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.jobs import REPO, SCRIPTS, job_env, run_job, worker_lines
+from tests.distributed.jobs import REPO, SCRIPTS, job_env, run_job, worker_lines
 
 
 @pytest.mark.parametrize("workers, servers", [(1, 1), (2, 3), (3, 2)])

@@ -1,4 +1,4 @@
-"""``python -m tandem.kvstore.dist [--kind dist_sync]``: run one kvstore server process.
+"""``python -m tandem.kvstore.ps [--kind dist_sync]``: run one kvstore server process.
 
 An alternative to the ps-lite style (the training script itself serving when ``TANDEM_ROLE=server``)
 for tools that start servers on their own; the topology comes from the TANDEM_* environment.
@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tandem.kvstore.dist.server import run_server
-from tandem.kvstore.dist.topology import KINDS, DistOptions, Topology, set_torch_threads
+from tandem.kvstore.ps.server import run_server
+from tandem.kvstore.ps.topology import KINDS, DistOptions, Topology, set_torch_threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tandem.kvstore.dist", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tandem.kvstore.ps", description=__doc__.splitlines()[0])
     parser.add_argument("--kind", default="dist_sync", choices=KINDS, help="sync or async server (default dist_sync)")
     args = parser.parse_args(argv)
     topology = Topology.from_env()

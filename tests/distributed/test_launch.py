@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from tests.dist.jobs import REPO, job_env, launch_command
+from tests.distributed.jobs import REPO, job_env, launch_command
 
 
 def _launch(*args: str, failing_worker: int) -> tuple[subprocess.CompletedProcess[str], float]:

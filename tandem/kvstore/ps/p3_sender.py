@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine import trace
-from tandem.kvstore.dist.client import Client
-from tandem.kvstore.dist.p3_queue import LanePriorityQueue
-from tandem.kvstore.dist.protocol import Command, Header, Message
+from tandem.kvstore.ps.client import Client
+from tandem.kvstore.ps.p3_queue import LanePriorityQueue
+from tandem.kvstore.ps.protocol import Command, Header, Message
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure
 
 QUEUED_COMMANDS = frozenset({Command.INIT, Command.PUSH, Command.PULL, Command.PUSHPULL})

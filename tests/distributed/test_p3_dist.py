@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.jobs import REPO, job_env, launch_command, run_job, worker_lines
+from tests.distributed.jobs import REPO, job_env, launch_command, run_job, worker_lines
 
 SLICE = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "64"}
 SHAPES: dict[str | int, tuple[int, ...]] = {
@@ -226,7 +226,7 @@ def _auto_optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[n
     """Parameters on the servers while the tuner switches slicing: each step equals a local update."""
     import os
 
-    from tandem.kvstore.dist import p3_reslice
+    from tandem.kvstore.ps import p3_reslice
     from tandem.optim import SGD, AdamW
 
     shapes = {"a": (100_003,), "b": (300, 401), "c": (50,)}  # 3, 4 and 1 slices of 40k; 2, 2, 1 of 80k...
@@ -346,7 +346,7 @@ def _compressed(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-un
 def _compressed_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """Malformed compressed pushes: each a clear error to the caller, and the server keeps serving (1 worker)."""
     from tandem.kvstore.compression import DESCRIPTOR, KINDS
-    from tandem.kvstore.dist.protocol import Command, Header, Role
+    from tandem.kvstore.ps.protocol import Command, Header, Role
     from tandem.kvstore.errors import RemoteError
 
     kv.init("w", torch.zeros(10))
@@ -375,7 +375,7 @@ def _compressed_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignor
 
 def _slot_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """TAKE and PUT misused: each a clear error to the caller, and the server keeps serving (2 workers)."""
-    from tandem.kvstore.dist.protocol import Command, Header, Role, state_payloads
+    from tandem.kvstore.ps.protocol import Command, Header, Role, state_payloads
     from tandem.kvstore.errors import RemoteError
     from tandem.optim import SGD
 
@@ -448,7 +448,7 @@ def _opposite(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-unty
 
 
 def _launched(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    from tandem.kvstore.dist.p3 import P3KVStore
+    from tandem.kvstore.ps.p3 import P3KVStore
 
     assert isinstance(kv, P3KVStore) and kv.kind == "dist_p3", type(kv)
     return _opposite(kv, rank)

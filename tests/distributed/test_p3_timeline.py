@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.dist.jobs import run_job
+from tests.distributed.jobs import run_job
 
 
 def _worker_events(tmp_path: Path) -> list[dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.jobs import REPO, job_env
+from tests.distributed.jobs import REPO, job_env
 
 EPOCHS = ["--model", "mlp", "--data", "digits", "--epochs", "6", "--batch-size", "64", "--lr", "0.1", "--no-progress"]
 

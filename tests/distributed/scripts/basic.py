@@ -9,7 +9,7 @@ import torch
 
 import tandem.kvstore as kvstore
 from tandem.kvstore import KVStoreError, RemoteError
-from tandem.kvstore.dist.protocol import Command
+from tandem.kvstore.ps.protocol import Command
 
 kv = kvstore.create("dist_sync")
 rank, workers = kv.rank, kv.num_workers

@@ -9,7 +9,7 @@ import torch
 
 import tandem
 from tandem import models, optim
-from tests.dist.jobs import run_job, worker_lines
+from tests.distributed.jobs import run_job, worker_lines
 
 
 def single_process(model_name: str, steps: int, batch_size: int = 8) -> dict[str, torch.Tensor]:

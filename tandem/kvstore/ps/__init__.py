@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tandem.kvstore.dist.server import run_server
-from tandem.kvstore.dist.topology import DistOptions, Topology, set_torch_threads
-from tandem.kvstore.dist.worker import DistKVStore
+from tandem.kvstore.ps.server import run_server
+from tandem.kvstore.ps.topology import DistOptions, Topology, set_torch_threads
+from tandem.kvstore.ps.worker import DistKVStore
 
 
 def connect(kind: str, **options: Any) -> DistKVStore:

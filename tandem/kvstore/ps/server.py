@@ -26,7 +26,7 @@ import torch
 
 from tandem.kvstore import compression
 from tandem.kvstore.compression import GradientCompression
-from tandem.kvstore.dist.protocol import (
+from tandem.kvstore.ps.protocol import (
     Command,
     Header,
     Message,
@@ -36,7 +36,7 @@ from tandem.kvstore.dist.protocol import (
     tensor_bytes,
     tensor_from_bytes,
 )
-from tandem.kvstore.dist.topology import (
+from tandem.kvstore.ps.topology import (
     DistOptions,
     ServerAddress,
     Topology,
@@ -44,7 +44,7 @@ from tandem.kvstore.dist.topology import (
     public_endpoint,
     publish_server,
 )
-from tandem.kvstore.dist.transport import Incoming, ServerTransport, snapshot_frame
+from tandem.kvstore.ps.transport import Incoming, ServerTransport, snapshot_frame
 from tandem.kvstore.errors import PeerFailure, ProtocolError, RemoteError
 from tandem.kvstore.slots import Slot, SlotId, SlotTable
 

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 import tandem.kvstore as kvstore
-from tandem.kvstore.dist.protocol import Command, Header, Role, encode_header
+from tandem.kvstore.ps.protocol import Command, Header, Role, encode_header
 
 kv = kvstore.create("dist_sync")
 kv.init("w", torch.zeros(10))

@@ -43,7 +43,7 @@ import zmq
 from zmq.backend import zmq_poll
 from zmq.backend.cython import _zmq as pyzmq_backend
 
-from tandem.kvstore.dist.protocol import (
+from tandem.kvstore.ps.protocol import (
     Header,
     Message,
     attach,
