@@ -346,8 +346,8 @@ def _compressed(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-un
 def _compressed_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """Malformed compressed pushes: each a clear error to the caller, and the server keeps serving (1 worker)."""
     from tandem.kvstore.compression import DESCRIPTOR, KINDS
-    from tandem.kvstore.ps.protocol import Command, Header, Role
     from tandem.kvstore.errors import RemoteError
+    from tandem.kvstore.ps.protocol import Command, Header, Role
 
     kv.init("w", torch.zeros(10))
     header = Header(Command.PUSH, 0, Role.WORKER, rank, key="w", dtype=torch.float32, shape=(10,), slice_stop=10,
@@ -375,8 +375,8 @@ def _compressed_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignor
 
 def _slot_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """TAKE and PUT misused: each a clear error to the caller, and the server keeps serving (2 workers)."""
-    from tandem.kvstore.ps.protocol import Command, Header, Role, state_payloads
     from tandem.kvstore.errors import RemoteError
+    from tandem.kvstore.ps.protocol import Command, Header, Role, state_payloads
     from tandem.optim import SGD
 
     kv.init(["w", "p"], [torch.arange(10.0), torch.zeros(10)])

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.kvstore.errors import ProtocolError
 from tandem.kvstore.ps.protocol import (
     FIXED,
     Command,
@@ -26,7 +27,6 @@ from tandem.kvstore.ps.protocol import (
     tensor_bytes,
     tensor_from_bytes,
 )
-from tandem.kvstore.errors import ProtocolError
 
 
 def _push(key: int | str = "w", shape: tuple[int, ...] = (7, 3, 5), **changes: object) -> Header:

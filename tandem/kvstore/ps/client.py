@@ -42,10 +42,10 @@ from typing import Any
 
 import zmq
 
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, RemoteError
 from tandem.kvstore.ps.protocol import Command, Header, Message, Role
 from tandem.kvstore.ps.topology import DistOptions, ServerAddress
 from tandem.kvstore.ps.transport import Incoming, WorkerTransport
-from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, RemoteError
 
 log = logging.getLogger("tandem.kvstore.worker")
 EXIT_GRACE_SECONDS = 3.0  # time the main thread gets to raise the failure itself before a hard exit

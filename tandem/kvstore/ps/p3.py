@@ -29,6 +29,7 @@ from tandem.engine import trace
 from tandem.env import knob
 from tandem.kvstore import P3_FOR
 from tandem.kvstore.base import Handle, normalize
+from tandem.kvstore.errors import KVStoreError
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue
 from tandem.kvstore.ps.p3_reslice import Move, move_slots
 from tandem.kvstore.ps.p3_sender import PrioritySender
@@ -36,10 +37,15 @@ from tandem.kvstore.ps.p3_tuner import DEFAULT_SLICE_SIZE, WATER_MARKS, AutoTune
 from tandem.kvstore.ps.placement import RoundRobinPlacement
 from tandem.kvstore.ps.protocol import Command, Key, Message, Role
 from tandem.kvstore.ps.server import CONTROL_COMMANDS, Server
-from tandem.kvstore.ps.topology import DistOptions, Topology, from_rank_zero, mean_over_workers, set_torch_threads
+from tandem.kvstore.ps.topology import (
+    DistOptions,
+    Topology,
+    from_rank_zero,
+    mean_over_workers,
+    set_torch_threads,
+)
 from tandem.kvstore.ps.transport import Incoming, ServerTransport
 from tandem.kvstore.ps.worker import DistKVStore, Item
-from tandem.kvstore.errors import KVStoreError
 
 P3_KINDS = {p3: rounds for rounds, p3 in P3_FOR.items()}  # P3 kind -> the rounds it runs
 AUTO = 0  # slice_size (TANDEM_KVSTORE_SLICE_THRESHOLD) meaning "tune it"

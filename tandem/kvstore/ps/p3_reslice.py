@@ -21,11 +21,10 @@ from typing import Any, NamedTuple
 import torch
 
 from tandem.kvstore.base import Handle
+from tandem.kvstore.errors import KVStoreError
 from tandem.kvstore.ps.placement import Placement, Slice
 from tandem.kvstore.ps.protocol import Command, Header, Message, Role, state_from_payloads, state_payloads
-from tandem.kvstore.errors import KVStoreError
 from tandem.kvstore.slots import per_element
-
 
 BATCH_ELEMENTS = 16 * 1024 * 1024  # per batch of keys in flight: 64 MB of float32 values, plus their state
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine import trace
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure
 from tandem.kvstore.ps.client import Client
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue
 from tandem.kvstore.ps.protocol import Command, Header, Message
-from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure
 
 QUEUED_COMMANDS = frozenset({Command.INIT, Command.PUSH, Command.PULL, Command.PUSHPULL})
 POLL_SECONDS = 0.2  # how often a waiting sender looks for a failed connection

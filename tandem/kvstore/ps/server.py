@@ -26,6 +26,7 @@ import torch
 
 from tandem.kvstore import compression
 from tandem.kvstore.compression import GradientCompression
+from tandem.kvstore.errors import PeerFailure, ProtocolError, RemoteError
 from tandem.kvstore.ps.protocol import (
     Command,
     Header,
@@ -45,7 +46,6 @@ from tandem.kvstore.ps.topology import (
     publish_server,
 )
 from tandem.kvstore.ps.transport import Incoming, ServerTransport, snapshot_frame
-from tandem.kvstore.errors import PeerFailure, ProtocolError, RemoteError
 from tandem.kvstore.slots import Slot, SlotId, SlotTable
 
 log = logging.getLogger("tandem.kvstore.server")

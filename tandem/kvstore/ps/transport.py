@@ -43,6 +43,7 @@ import zmq
 from zmq.backend import zmq_poll
 from zmq.backend.cython import _zmq as pyzmq_backend
 
+from tandem.kvstore.errors import ProtocolError
 from tandem.kvstore.ps.protocol import (
     Header,
     Message,
@@ -53,7 +54,6 @@ from tandem.kvstore.ps.protocol import (
     encode_reply,
     tensor_bytes,
 )
-from tandem.kvstore.errors import ProtocolError
 
 ZERO_COPY_BYTES = 64 * 1024
 # plain ints: pyzmq's constants are IntFlags, and every ``&``/``|`` with one builds a new enum (a
