@@ -66,7 +66,7 @@ def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any], checkpoint
     """
     layout, tensors = _check_arguments(module, loss_fn, batch)
     wrapper = _LossModule(module, loss_fn, layout)
-    regions: list[int] = []
+    regions: list[Any] = []
     try:
         graph_module, signature = _export(wrapper, tensors, [], regions)
     except _UnusedParameter:  # rare: probe once which parameters no gradient reaches, export again
@@ -149,7 +149,7 @@ def _check_arguments(module: Any, loss_fn: Any, batch: Sequence[Any]) -> tuple[B
 
 
 def _export(wrapper: _LossModule, tensors: Sequence[torch.Tensor], unused: list[str],
-            regions: list[int]) -> tuple[Any, Any]:
+            regions: list[Any]) -> tuple[Any, Any]:
     from torch._functorch.aot_autograd import aot_export_module
 
     with _tracing(wrapper, regions, tensors) as stack, _without_gradient(wrapper, unused):
@@ -230,7 +230,7 @@ def _compiling() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _tracing(root: nn.Module, regions: list[int], tensors: Sequence[torch.Tensor]) -> Iterator[list[str]]:
+def _tracing(root: nn.Module, regions: list[Any], tensors: Sequence[torch.Tensor]) -> Iterator[list[str]]:
     """Everything a trace runs under: the compiling state, a fork of the RNG (tracing draws random
     numbers for dropout; the user's stream must not move), the module stack for error messages,
     and the record of modules called inside checkpoint regions."""
@@ -246,22 +246,26 @@ def _forked_rng(tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextMa
 
 
 @contextlib.contextmanager
-def _module_stack(root: nn.Module, regions: list[int]) -> Iterator[list[str]]:
+def _module_stack(root: nn.Module, regions: list[Any]) -> Iterator[list[str]]:
     """Track which submodule is running, so capture errors can name its path; mark the inputs and
     outputs of each outermost module called inside a non-reentrant ``torch.utils.checkpoint``
-    region with ``tandem::checkpoint_mark`` ops (``regions``: one index per region begun)."""
+    region with ``tandem::checkpoint_mark`` ops (``regions``: the hook of each region seen, by index)."""
     stack: list[str] = []
-    marked: list[nn.Module] = []  # the outermost modules of regions now running
+    marked: list[tuple[nn.Module, int]] = []  # the outermost module of the region now running, its region
     handles = []
 
     def enter(name: str) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             stack.append(name)
-            if marked or not _in_checkpoint_region():
+            hook = _checkpoint_hook()
+            if marked or hook is None:
                 return None
-            regions.append(len(regions))
-            marked.append(module)
-            return _mark((args, kwargs), regions[-1], begin=True)
+            # one region per checkpoint call: the modules a checkpointed function calls in turn share it
+            index = next((i for i, seen in enumerate(regions) if seen is hook), len(regions))
+            if index == len(regions):
+                regions.append(hook)  # held until capture ends, so no later region reuses its id
+            marked.append((module, index))
+            return _mark((args, kwargs), index, begin=True)
 
         return hook
 
@@ -269,9 +273,9 @@ def _module_stack(root: nn.Module, regions: list[int]) -> Iterator[list[str]]:
         def hook(module: nn.Module, _args: Any, output: Any) -> Any:
             if stack and stack[-1] == name:
                 stack.pop()
-            if marked and marked[-1] is module:
-                marked.pop()
-                return _mark(output, regions[-1], begin=False)
+            if marked and marked[-1][0] is module:
+                _, index = marked.pop()
+                return _mark(output, index, begin=False)
             return None
 
         return hook
@@ -288,14 +292,17 @@ def _module_stack(root: nn.Module, regions: list[int]) -> Iterator[list[str]]:
             handle.remove()
 
 
-def _in_checkpoint_region() -> bool:
-    """Whether a non-reentrant checkpoint region is running now.
+def _checkpoint_hook() -> Any:
+    """The saved-tensor hook of the non-reentrant checkpoint region running now, or None outside any.
 
     ``torch.utils.checkpoint(use_reentrant=False)`` runs its function under saved-tensor hooks of
-    its own; the export flattens them away (nothing is recomputed), so we mark where it ran.
+    its own (one pair per call); the export flattens them away (nothing is recomputed), so we mark
+    where each region ran.
     """
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+    if hooks is None or "_checkpoint_hook" not in getattr(hooks[0], "__qualname__", ""):
+        return None
+    return hooks[0]
 
 
 @torch.library.custom_op("tandem::checkpoint_mark", mutates_args=())
@@ -418,21 +425,27 @@ def _fold_constants(graph_module: Any, graph: fx.Graph) -> None:
 
 
 def _take_checkpoint_marks(train_graph: TrainGraph, keep: bool) -> None:
-    """Mark forward nodes between a region's begin and end marks with their region (graph order is
-    execution order), then drop the marks: each becomes its input again."""
-    region: Any = None
-    seen: set[Any] = set()
+    """Mark the forward nodes of each checkpoint region with it: everything from the region's first
+    begin mark to its last end mark (graph order is execution order; a checkpointed function may call
+    several modules in turn, with its own ops between them). Then drop the marks: each becomes its
+    input again."""
+    forward = [n for n in train_graph.op_nodes() if train_graph.phase_of(n) == Phase.FORWARD]
+    spans: dict[Any, list[int]] = {}
+    for position, node in enumerate(forward):
+        if node.target is _MARK:
+            span = spans.setdefault(node.args[1], [position, position])
+            span[1] = position
+    if keep:
+        for region, (first, last) in spans.items():
+            for node in forward[first:last + 1]:
+                if node.target is not _MARK:
+                    node.meta[MetaKey.CHECKPOINT] = region
+        if spans:
+            train_graph.notes["checkpoint_regions"] = len(spans)
     for node in train_graph.op_nodes():
         if node.target is _MARK:
-            if train_graph.phase_of(node) == Phase.FORWARD:
-                region = node.args[1] if node.args[2] else None
-                seen.add(node.args[1])
             node.replace_all_uses_with(node.all_input_nodes[0])
             train_graph.graph.erase_node(node)
-        elif keep and region is not None and train_graph.phase_of(node) == Phase.FORWARD:
-            node.meta[MetaKey.CHECKPOINT] = region
-    if keep and seen:
-        train_graph.notes["checkpoint_regions"] = len(seen)
 
 
 def _alias_groups(module: nn.Module) -> dict[str, list[str]]:

@@ -233,3 +233,32 @@ def test_capture_error_names_the_users_line_and_leaves_the_module_usable() -> No
     assert not module._forward_pre_hooks and not module.proj._forward_hooks, "no hook is left behind"
     loss_fn(module, x).backward()  # the same module still trains eagerly
     assert module.proj.weight.grad is not None
+
+
+class _Siblings(nn.Module):
+    """One checkpointed function per block that calls two modules in turn, with an op between them
+    (as a transformers layer checkpointed through its forward)."""
+
+    def __init__(self, depth: int = 3, width: int = 16) -> None:
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(width, 4 * width) for _ in range(depth))
+        self.down = nn.ModuleList(nn.Linear(4 * width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, down in zip(self.up, self.down):
+            x = checkpoint(lambda h, up=up, down=down: h + down(torch.tanh(up(h))), x, use_reentrant=False)
+        return x
+
+
+def test_a_checkpointed_function_calling_several_modules_is_one_region() -> None:
+    torch.manual_seed(0)
+    module = _Siblings().double()
+    x = torch.randn(64, 16, dtype=torch.float64)
+    step = tandem.compile(module, _stack_loss, x)
+    assert_same_step(step(x), *eager_step(twin(module), _stack_loss, (x,)), **EXACT)
+    graph = step.graph
+    assert graph.notes["checkpoint_regions"] == 3
+    tanh = [n for n in graph.op_nodes() if n.target is torch.ops.aten.tanh.default and MetaKey.RECOMPUTE_OF not in n.meta]
+    assert tanh and all(MetaKey.CHECKPOINT in n.meta for n in tanh), "the op between the two modules is in the region"
+    recomputed = {n.meta[MetaKey.RECOMPUTE_OF] for n in graph.op_nodes() if MetaKey.RECOMPUTE_OF in n.meta}
+    assert {n.name for n in tanh} <= recomputed, "values between the modules are recomputed, not kept"
