@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tandem.engine import get_engine, trace
+from tandem import trace
+from tandem.engine import get_engine
 from tandem.executor import Segment
 from tandem.graph.train_graph import Phase
 from tandem.kvstore import P3_FOR

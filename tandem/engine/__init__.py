@@ -6,7 +6,7 @@ EngineTimeout and the trace module. See docs/engine.md for semantics, knobs and 
 
 from __future__ import annotations
 
-from tandem.engine import trace
+from tandem import trace  # the shared trace module (tandem/trace.py), also tandem.engine.trace
 from tandem.engine.base import Engine
 from tandem.engine.bulking import bulk
 from tandem.engine.default import get_engine, set_engine

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
-from tandem.engine import bulking as _bulk
+from tandem.engine.bulking import local as _bulk_local
 from tandem.engine.errors import EngineError, Failure
+from tandem.engine.op import Op, Pool, admit
 from tandem.engine.var import Var
 from tandem.env import knob
 
@@ -40,6 +41,8 @@ class Engine(abc.ABC):
     :class:`EngineTimeout` instead of hanging.
     """
 
+    _pools: Mapping[str, Pool]  # pool name (op.POOLS) -> this engine's pool; set by each engine
+
     def __init__(self) -> None:
         self._failures: list[Failure] = []  # root failures in the order they happened
         self._failed_vars: set[Var] = set()
@@ -48,7 +51,6 @@ class Engine(abc.ABC):
         """A fresh var (same as ``Var(name)``)."""
         return Var(name)
 
-    @abc.abstractmethod
     def push(
         self,
         fn: Callable[[], None],
@@ -59,7 +61,20 @@ class Engine(abc.ABC):
         pool: str = "compute",
         segment: int | None = None,
     ) -> None:
-        """Queue ``fn`` to run after every earlier op that conflicts with it on a var. Asynchronous."""
+        """Queue ``fn`` to run after every earlier op that conflicts with it on a var. Asynchronous.
+
+        Inside ``bulk()`` the op joins the calling thread's group instead (one engine op per group).
+        """
+        collector = _bulk_local.collector
+        if collector is not None:
+            collector.add(self, fn, reads, writes, priority, name, pool, segment)
+            return
+        reads, writes = admit(fn, reads, writes, priority, pool)
+        self._submit(Op(fn, reads, writes, priority, name, self._pools[pool], segment, 0))
+
+    @abc.abstractmethod
+    def _submit(self, op: Op) -> None:
+        """Schedule a validated op (its ``seq`` is given here, under the engine's lock)."""
 
     @abc.abstractmethod
     def wait(self, var: Var, timeout: float | None = None) -> None:
@@ -100,13 +115,6 @@ class Engine(abc.ABC):
             return None
         unreported[0].mark_reported()
         return unreported[0].to_error()
-
-
-def flush_bulk() -> None:
-    """Waits flush the calling thread's bulk: its ops must be in the engine before anyone waits on them."""
-    collector = _bulk.local.collector
-    if collector is not None:
-        collector.flush()
 
 
 def deadline_after(timeout: float | None) -> float:

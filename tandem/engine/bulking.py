@@ -14,13 +14,17 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tandem.engine.op import check_push, normalize_access
+from tandem.engine.op import admit
 from tandem.engine.var import Var
 
-if TYPE_CHECKING:
-    from tandem.engine.base import Engine
+
+class Engine(Protocol):
+    """What a group is handed to: ``engine.Engine`` (whose ``push`` collects into this module's groups)."""
+
+    def push(self, fn: Callable[[], None], reads: Iterable[Var], writes: Iterable[Var], priority: int, name: str,
+             pool: str, segment: int | None) -> None: ...  # fmt: skip
 
 
 class _Local(threading.local):
@@ -28,6 +32,13 @@ class _Local(threading.local):
 
 
 local = _Local()
+
+
+def flush_bulk() -> None:
+    """Waits flush the calling thread's bulk: its ops must be in the engine before anyone waits on them."""
+    collector = local.collector
+    if collector is not None:
+        collector.flush()
 
 
 _Item = tuple[Callable[[], None], str, tuple[Var, ...], tuple[Var, ...]]  # fn, name, reads, writes
@@ -70,16 +81,8 @@ class BulkCollector:
         pool: str,
         segment: int | None,
     ) -> None:
-        # Validate now, where the caller can see the mistake, with the engines' fast path for (var,).
-        if reads or writes.__class__ is not tuple or len(writes) != 1 or writes[0].__class__ is not Var:  # type: ignore[attr-defined]
-            reads, writes = normalize_access(reads, writes)
-        if (
-            engine is not self.engine
-            or pool != self.pool
-            or priority.__class__ is not int
-            or not callable(fn)
-        ):
-            check_push(fn, pool, priority)
+        reads, writes = admit(fn, reads, writes, priority, pool)  # now, where the caller can see a mistake
+        if engine is not self.engine or pool != self.pool:
             if self.items:
                 self.flush()  # one group runs on one engine and one pool
             self.engine, self.pool = engine, pool
@@ -88,7 +91,7 @@ class BulkCollector:
         if self.segment is None:
             self.segment = segment
         items = self.items
-        items.append((fn, name, reads, writes))  # type: ignore[arg-type]
+        items.append((fn, name, reads, writes))
         if len(items) >= self.size:
             self.flush()
 

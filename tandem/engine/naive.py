@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
 
-from tandem.engine import bulking as _bulk
-from tandem.engine.base import Engine, check_var, flush_bulk, resolve_timeout
-from tandem.engine.op import POOLS, Op, Pool, check_push, execute, normalize_access
+from tandem.engine.base import Engine, check_var, resolve_timeout
+from tandem.engine.bulking import flush_bulk
+from tandem.engine.op import POOLS, Op, Pool, execute
 from tandem.engine.var import Var
 
 
@@ -28,27 +27,12 @@ class NaiveEngine(Engine):
         self._seq = 0
         self._pools = {name: Pool(name) for name in POOLS}
 
-    def push(
-        self,
-        fn: Callable[[], None],
-        reads: Iterable[Var] = (),
-        writes: Iterable[Var] = (),
-        priority: int = 0,
-        name: str = "op",
-        pool: str = "compute",
-        segment: int | None = None,
-    ) -> None:
-        """Run ``fn`` now (after the op that pushed it, when called from inside an op)."""
-        collector = _bulk.local.collector
-        if collector is not None:
-            collector.add(self, fn, reads, writes, priority, name, pool, segment)
-            return
-        check_push(fn, pool, priority)
-        reads, writes = normalize_access(reads, writes)
+    def _submit(self, op: Op) -> None:
+        """Run the op now (after the op that pushed it, when called from inside an op)."""
         with self._lock:
             self._seq += 1
-            op = Op(fn, reads, writes, priority, name, self._pools[pool], segment, self._seq)
-            for var in writes:
+            op.seq = self._seq
+            for var in op.writes:
                 var._writes_pushed += 1
             self._queue.append(op)
             if self._draining:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable, Iterable
 
-from tandem.engine import trace
+from tandem import trace
 from tandem.engine.errors import Failure
 from tandem.engine.var import Var
 
@@ -88,6 +88,21 @@ def normalize_access(
         if writes:
             reads = tuple(var for var in reads if var not in writes)
     return reads, writes
+
+
+def admit(
+    fn: Callable[[], None], reads: Iterable[Var], writes: Iterable[Var], priority: int, pool: str
+) -> tuple[tuple[Var, ...], tuple[Var, ...]]:
+    """push()'s checks, one place for both engines and the bulk collector: the validated var tuples.
+
+    Fast path: no reads and exactly one var written skip normalisation, and the slow checks run only
+    when something looks off.
+    """
+    if reads or writes.__class__ is not tuple or len(writes) != 1 or writes[0].__class__ is not Var:  # type: ignore[attr-defined]
+        reads, writes = normalize_access(reads, writes)
+    if priority.__class__ is not int or pool not in POOLS or not callable(fn):
+        check_push(fn, pool, priority)
+    return reads, writes  # type: ignore[return-value]
 
 
 def check_push(fn: Callable[[], None], pool: str, priority: int) -> None:

@@ -13,17 +13,15 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.engine import bulking as _bulk
-from tandem.engine.base import Engine, check_var, deadline_after, flush_bulk
+from tandem.engine.base import Engine, check_var, deadline_after
+from tandem.engine.bulking import flush_bulk
 from tandem.engine.errors import EngineTimeout, Failure
-from tandem.engine.op import POOLS, Op, Pool, check_push, execute, normalize_access
+from tandem.engine.op import POOLS, Op, Pool, execute
 from tandem.engine.var import Var
 from tandem.env import knob
-
-_bulk_local = _bulk.local
 
 
 @dataclass(frozen=True)
@@ -70,6 +68,8 @@ class _WorkerPool(Pool):
 class ThreadedEngine(Engine):
     """Runs ops on a compute pool and an io pool of daemon threads (started on first use)."""
 
+    _pools: dict[str, _WorkerPool]
+
     def __init__(self, compute_threads: int | None = None, io_threads: int | None = None) -> None:
         super().__init__()
         self.config = ThreadedEngineConfig.resolve(compute_threads, io_threads)
@@ -85,28 +85,9 @@ class ThreadedEngine(Engine):
         sizes = {"compute": self.config.compute_threads, "io": self.config.io_threads}
         self._pools = {name: _WorkerPool(name, sizes[name], self._lock) for name in POOLS}
 
-    def push(
-        self,
-        fn: Callable[[], None],
-        reads: Iterable[Var] = (),
-        writes: Iterable[Var] = (),
-        priority: int = 0,
-        name: str = "op",
-        pool: str = "compute",
-        segment: int | None = None,
-    ) -> None:
-        """Queue ``fn``; returns at once. Thread-safe, callable from inside a running op."""
-        collector = _bulk_local.collector
-        if collector is not None:
-            collector.add(self, fn, reads, writes, priority, name, pool, segment)
-            return
-        # Fast path: no reads and exactly one var written skip normalisation.
-        if reads or writes.__class__ is not tuple or len(writes) != 1 or writes[0].__class__ is not Var:  # type: ignore[attr-defined]
-            reads, writes = normalize_access(reads, writes)
-        worker_pool = self._pools.get(pool)
-        if worker_pool is None or priority.__class__ is not int or not callable(fn):
-            check_push(fn, pool, priority)
-        op = Op(fn, reads, writes, priority, name, worker_pool, segment, 0)  # type: ignore[arg-type]
+    def _submit(self, op: Op) -> None:
+        """Queue the op; returns at once. Thread-safe, callable from inside a running op."""
+        reads, writes = op.reads, op.writes
         with self._lock:
             if self._stopping:
                 raise RuntimeError("push() on an engine that was shut down; create a new engine")
@@ -120,7 +101,7 @@ class ThreadedEngine(Engine):
                     var._readers += 1
                     if var._failure is not None and op.skip is None:
                         op.skip = var._failure
-            for var in writes:  # type: ignore[assignment]
+            for var in writes:
                 var._writes_pushed += 1
                 if var._writing or var._readers or var._queue:
                     var._queue.append((op, True))

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem import engine
-from tandem.engine import trace
+from tandem import engine, trace
 
 
 def load(path: str) -> list[dict]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine import trace
+from tandem import trace
 from tandem.env import knob
 from tandem.kvstore import P3_FOR
 from tandem.kvstore.base import Handle, normalize

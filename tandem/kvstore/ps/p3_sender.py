@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine import trace
+from tandem import trace
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure
 from tandem.kvstore.ps.client import Client
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue

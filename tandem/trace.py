@@ -1,4 +1,5 @@
-"""Chrome/Perfetto trace writer shared by every tandem component.
+"""Chrome/Perfetto trace writer shared by every tandem component (the engine's ops, the kvstore's
+messages, the trainer's waits): below both the engine and the kvstore, so each records here directly.
 
 Events are kept in memory as tuples (appending to a list is atomic under the GIL, so record() needs no
 lock) and written as ``{"traceEvents": [...]}`` with "X" complete events plus thread_name metadata,
