@@ -95,14 +95,20 @@ def admit(
 ) -> tuple[tuple[Var, ...], tuple[Var, ...]]:
     """push()'s checks, one place for both engines and the bulk collector: the validated var tuples.
 
-    Fast path: no reads and exactly one var written skip normalisation, and the slow checks run only
-    when something looks off.
+    Fast path: no reads (an empty tuple or list) and a tuple of exactly one var written skip
+    normalisation, and the slow checks run only when something looks off.
     """
-    if reads or writes.__class__ is not tuple or len(writes) != 1 or writes[0].__class__ is not Var:  # type: ignore[attr-defined]
+    if (reads or reads.__class__ not in _EMPTY_READS or writes.__class__ is not tuple or len(writes) != 1  # type: ignore[attr-defined]
+            or writes[0].__class__ is not Var):  # type: ignore[index]  # fmt: skip
         reads, writes = normalize_access(reads, writes)
+    else:
+        reads = ()
     if priority.__class__ is not int or pool not in POOLS or not callable(fn):
         check_push(fn, pool, priority)
     return reads, writes  # type: ignore[return-value]
+
+
+_EMPTY_READS = (tuple, list)
 
 
 def check_push(fn: Callable[[], None], pool: str, priority: int) -> None:
