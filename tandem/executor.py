@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -52,6 +52,27 @@ class Segment:
     @property
     def num_nodes(self) -> int:
         return len(self.instructions)
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What the caller of a run adds to it (a parameter update does: tandem.update). Every field is optional.
+
+    - ``parameter_vars``: parameter name -> its engine var. A segment also reads the vars of the
+      parameters it uses, so an op that writes a parameter holds back exactly the segments that need it.
+    - ``before_segment(segment)``: runs on the calling thread just before a segment is pushed: the
+      place to wait for that segment's parameters and push the ops that write them, while the
+      segments pushed before it already run.
+    - ``before_measured_run()``: runs before the measuring interpreter, which bypasses the engine:
+      every parameter must be final when it returns.
+    """
+
+    parameter_vars: Mapping[str, Var] = field(default_factory=dict)
+    before_segment: Callable[[Segment], None] | None = None
+    before_measured_run: Callable[[], None] | None = None
+
+
+NO_HOOKS = StepHooks()
 
 
 @dataclass
@@ -130,25 +151,21 @@ class Executor:
             raise ValueError(f"the graph takes {self.num_inputs} inputs, got {len(inputs)}")
         return list(inputs) + [None] * (self.num_slots - self.num_inputs)
 
-    def run(self, inputs: Sequence[torch.Tensor], engine: Engine | None = None,
-            parameter_vars: dict[str, Var] | None = None, timeout: float | None = None,
-            gate: Callable[[Segment], None] | None = None) -> list[Any]:
+    def run(self, inputs: Sequence[torch.Tensor], engine: Engine | None = None, timeout: float | None = None,
+            hooks: StepHooks = NO_HOOKS) -> list[Any]:
         """Push one engine op per segment and wait for the last; returns the canonical outputs.
 
-        A segment also reads the var of each parameter it uses (``parameter_vars``), so an op that
-        writes a parameter (a pull from the parameter server) holds back exactly the segments that
-        need it. ``gate(segment)`` runs on the calling thread just before a segment is pushed: the
-        place to wait for that segment's parameters and push the ops that write them, while the
-        segments pushed before it already run. Gradient hooks run on the engine's thread when their
-        segment ends.
+        ``hooks`` (StepHooks) give the segments the parameters' vars to read and run a call before
+        each segment is pushed. Gradient hooks run on the engine's thread when their segment ends.
         """
         engine = engine if engine is not None else get_engine()
         slots = self.new_slots(inputs)
         report = RunReport(self.segment_sizes(), engine_ops=len(self.segments))
         start = time.perf_counter()
+        parameter_vars, before_segment = hooks.parameter_vars, hooks.before_segment
         for segment in self.segments:
-            if gate is not None:
-                gate(segment)
+            if before_segment is not None:
+                before_segment(segment)
             reads = [parameter_vars[n] for n in segment.parameters if n in parameter_vars] if parameter_vars else []
             engine.push(partial(self._run_segment, segment, slots, report, start), reads=reads,
                         writes=(self._done,), name=segment.name, segment=segment.index)
@@ -164,8 +181,10 @@ class Executor:
             report.gradient_ready_s.update((name, now) for name in segment.gradients)
             self._announce(segment, slots)
 
-    def run_measured(self, inputs: Sequence[torch.Tensor]) -> tuple[list[Any], MemoryStats]:
+    def run_measured(self, inputs: Sequence[torch.Tensor], hooks: StepHooks = NO_HOOKS) -> tuple[list[Any], MemoryStats]:
         """Like run(), interpreting node by node and counting live intermediate bytes."""
+        if hooks.before_measured_run is not None:
+            hooks.before_measured_run()
         slots = self.new_slots(inputs)
         meter = _MemoryMeter(inputs)
         held: dict[int, list[int]] = {}

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tandem.errors import BatchMismatchError
-from tandem.executor import Executor, GradientHook, MemoryStats
+from tandem.executor import NO_HOOKS, Executor, GradientHook, MemoryStats, StepHooks
 from tandem.graph.batch import BatchLayout
 from tandem.graph.capture import LossFn, capture, capture_inference
 from tandem.graph.train_graph import TrainGraph
@@ -78,23 +78,22 @@ class TrainStep:
     _compiled: dict[BatchLayout, _Compiled] = field(default_factory=dict)
     _last: _Compiled | None = None
     _hooks: list[GradientHook] = field(default_factory=list)
-    # set by distributed training: per-parameter engine vars and the gate run before each segment
-    parameter_vars: dict[str, Any] | None = None
-    gate: Callable[[Any], None] | None = None
 
     # -- public ------------------------------------------------------------------------------
-    def __call__(self, *batch: Any) -> Any:
-        """Run one captured step on ``batch`` (tensors, or dicts/tuples of tensors, as loss_fn takes them)."""
+    def __call__(self, *batch: Any, hooks: StepHooks = NO_HOOKS) -> Any:
+        """Run one captured step on ``batch`` (tensors, or dicts/tuples of tensors, as loss_fn takes them).
+
+        ``hooks`` (executor.StepHooks) is what a parameter update adds to the run: the parameters'
+        engine vars and the calls before each segment and before a measured step.
+        """
         layout, tensors = BatchLayout.of(batch)
         compiled = self._for_batch(batch, layout)
         graph = compiled.graph
         inputs = graph.inputs(self.module, tensors)
         if compiled.memory is None or self.config.measure_memory:
-            if self.gate is not None:
-                self.gate(None)  # the measuring interpreter bypasses the engine: every parameter must be final
-            outputs, compiled.memory = compiled.executor.run_measured(inputs)
+            outputs, compiled.memory = compiled.executor.run_measured(inputs, hooks)
         else:
-            outputs = compiled.executor.run(inputs, parameter_vars=self.parameter_vars, gate=self.gate)
+            outputs = compiled.executor.run(inputs, hooks=hooks)
         self._last = compiled
         return self._unpack(graph, outputs)
 

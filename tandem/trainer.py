@@ -20,19 +20,18 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from functools import partial
 from typing import Any, TextIO
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from tandem.engine import get_engine
 from tandem.graph.batch import as_arguments, batch_size_of
 from tandem.graph.capture import LossFn
 from tandem.kvstore.compression import GradientCompression
 from tandem.step import EvalStep, StepConfig, StepResult, TrainStep, compile_eval
 from tandem.step import compile as compile_step
+from tandem.update import DistributedUpdate, LocalUpdate, OptimizerApply, Update
 
 CHECKPOINT_FORMAT = 1
 
@@ -93,11 +92,18 @@ class Trainer:
         self.grads: dict[str, torch.Tensor] = {}
         self._train_step: TrainStep | None = None
         self._eval_step: EvalStep | None = None
-        self._states: dict[str, dict[str, torch.Tensor]] = {}
-        self._params = dict(module.named_parameters())
-        self._engine = get_engine()
-        self._vars: dict[str, Any] = {}
-        self._distributed = _make_distributed(self) if self.config.kvstore not in (None, "local") else None
+        params = dict(module.named_parameters())
+        self._apply = OptimizerApply(params, optimizer, self.config.clip_grad_norm)
+        self._update = self._make_update(params)
+
+    def _make_update(self, params: dict[str, nn.Parameter]) -> Update:
+        config = self.config
+        if config.kvstore in (None, "local"):
+            return LocalUpdate(params, self._apply)
+        return DistributedUpdate.join(params, self._apply, self.optimizer, str(config.kvstore),
+                                      communication=config.communication, update_on_kvstore=config.update_on_kvstore,
+                                      gradient_compression=config.gradient_compression,
+                                      clip_grad_norm=config.clip_grad_norm)  # fmt: skip
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, *batch: Any) -> float:
@@ -109,39 +115,31 @@ class Trainer:
         """
         self.module.train()
         step = self._compiled(batch)
-        if self._distributed is not None:
-            self._distributed.attach(step)
-        result = step(*batch)
-        if self._distributed is not None:
-            self._distributed.after_backward(result)
-        else:
-            self._update(result.grads)
-            self.sync()  # sync point: like torch, parameters are updated when step() returns
+        result = step(*batch, hooks=self._update.hooks(step))
+        if self._update.store is None:
+            self.grads = result.grads  # training alone: kept, like torch's .grad (distributed: sent away)
+        self._update.after_backward(result)  # alone: applied before it returns, like torch's step()
         self.step_count += 1
         return float(result.loss)
 
     def _compiled(self, batch: tuple[Any, ...]) -> TrainStep:
         if self._train_step is None:
             self._train_step = compile_step(self.module, self.loss_fn, *batch, **vars(self.config.step))
-            if self._distributed is None:  # the fused update is an engine op the next forward waits for
-                self._vars = {name: self._engine.new_var(f"param {name}") for name in self._params}
-                self._train_step.parameter_vars = self._vars
-                self._train_step.gate = lambda segment: self.sync() if segment is None else None
         return self._train_step
 
     @property
     def rank(self) -> int:
         """This worker's rank in a distributed job (0 when training alone)."""
-        return self._distributed.rank if self._distributed is not None else 0
+        return self._update.rank
 
     @property
     def num_workers(self) -> int:
-        return self._distributed.num_workers if self._distributed is not None else 1
+        return self._update.num_workers
 
     @property
     def kvstore(self) -> Any:
         """The distributed KVStore this trainer talks to, or None when training alone."""
-        return self._distributed.store if self._distributed is not None else None
+        return self._update.store
 
     @property
     def train_step(self) -> TrainStep:
@@ -149,37 +147,9 @@ class Trainer:
             raise RuntimeError("the step is captured on the first Trainer.step(*batch); call it first")
         return self._train_step
 
-    def _update(self, grads: dict[str, torch.Tensor]) -> None:
-        """One engine op runs the fused update; segments reading a parameter wait on its var."""
-        self.grads = grads
-        names = list(grads)
-        self._engine.push(partial(self._update_some, names, grads), writes=tuple(self._vars[n] for n in names),
-                          name="fused optimizer update")
-
     def sync(self) -> None:
         """Block until pending parameter updates are written (before reading parameters here)."""
-        if self._distributed is not None:
-            self._distributed.flush()
-        for var in self._vars.values():
-            self._engine.wait(var)
-
-    @torch.no_grad()
-    def _update_some(self, names: list[str], grads: dict[str, torch.Tensor]) -> None:
-        """Clip and apply the optimizer to ``names`` in one fused call (all of them, or one layer)."""
-        if self.config.clip_grad_norm is not None:
-            from tandem.ops import clip_global_norm
-
-            clip_global_norm([grads[n] for n in names], self.config.clip_grad_norm)
-        if isinstance(self.optimizer, torch.optim.Optimizer):
-            for name in names:
-                self._params[name].grad = grads[name]
-            self.optimizer.step()
-            return
-        params = [self._params[n] for n in names]
-        for name, param in zip(names, params):
-            if name not in self._states:
-                self._states[name] = self.optimizer.create_state(param)
-        self.optimizer.update(params, [grads[n] for n in names], [self._states[n] for n in names])
+        self._update.flush()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero, in one fused op) the gradients of the last step."""
@@ -278,8 +248,8 @@ class Trainer:
         """
         if not isinstance(data, Dataset) or isinstance(data, IterableDataset):
             return data
-        if self._distributed is not None and train:
-            data = self._distributed.shard(data)
+        if train:
+            data = self._update.shard(data)  # distributed: this worker's shard
         from tandem.data import batches, loader
 
         make = batches if isinstance(data, TensorDataset) else loader  # same arguments
@@ -294,7 +264,7 @@ class Trainer:
         if isinstance(self.optimizer, torch.optim.Optimizer):
             optimizer = {"torch": self.optimizer.state_dict()}
         else:
-            optimizer = {"config": self.optimizer.to_config(), "state": self._states}
+            optimizer = {"config": self.optimizer.to_config(), "state": self._apply.states}
         return {
             "format": CHECKPOINT_FORMAT,
             "model": self.module.state_dict(),
@@ -314,7 +284,7 @@ class Trainer:
         if isinstance(self.optimizer, torch.optim.Optimizer):
             self.optimizer.load_state_dict(optimizer["torch"])
         else:
-            self._states = {n: {k: v.clone() for k, v in s.items()} for n, s in optimizer["state"].items()}
+            self._apply.states = {n: {k: v.clone() for k, v in s.items()} for n, s in optimizer["state"].items()}
             saved = type(self.optimizer).from_config(optimizer["config"])  # every setting, not only lr
             if type(saved) is not type(self.optimizer):
                 raise ValueError(f"the checkpoint's optimizer is {saved.name!r}, this Trainer's {self.optimizer.name!r}")
@@ -325,8 +295,7 @@ class Trainer:
 
     def close(self) -> None:
         """Finish outstanding communication and leave the parameter-server job (distributed only)."""
-        if self._distributed is not None:
-            self._distributed.close()
+        self._update.close()
 
     def save(self, path: str) -> None:
         """Write a checkpoint (model, optimizer state, step, epoch, RNG) that torch.load can read."""
@@ -379,12 +348,6 @@ def _targets(batch: tuple[Any, ...]) -> torch.Tensor | None:
     elif len(batch) < 2:
         return None
     return last if isinstance(last, torch.Tensor) and last.dtype in _INTEGER_DTYPES else None
-
-
-def _make_distributed(trainer: Trainer) -> Any:
-    from tandem.distributed_trainer import DistributedUpdate
-
-    return DistributedUpdate(trainer)
 
 
 __all__ = ["Trainer", "TrainerConfig", "StepResult"]

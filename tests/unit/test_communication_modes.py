@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.distributed_trainer import resolve_mode
 from tandem.kvstore import resolve_kind
+from tandem.update import resolve_mode
 
 
 @pytest.mark.parametrize("kind, mode", [("dist_sync", "overlap"), ("dist_async", "overlap"), ("dist_p3", "p3"),

@@ -1,4 +1,5 @@
-"""Data-parallel training on the parameter server: the Trainer's side of communication.
+"""Data-parallel training on the parameter server: a step's gradients go to the servers, their
+replies become the parameters.
 
 Three modes, selectable for comparison (``Trainer(..., communication=...)``):
   - ``baseline``: backward completes, then every gradient is pushed, then every parameter pulled.
@@ -10,31 +11,29 @@ Three modes, selectable for comparison (``Trainer(..., communication=...)``):
     saves wire time: ``after``, still sent by priority and applied per parameter by the next forward,
     or ``serial``, one pushpull of them all (in forward order, so by priority) that the step waits for.
 In ``overlap`` and ``p3`` the next forward starts each segment as soon as the parameters *it* reads
-are back: before pushing a forward segment, the executor's gate waits for those parameters' replies
-and pushes one engine op per parameter that writes it (its engine var; a tied parameter goes by its
-first name). The engine runs that write before the forward segments that read the parameter, while
-earlier segments already run; segments whose parameters are not back yet are not pushed yet. Writes
-are only pushed from the next step's gates, after the executor waited for every segment of this
-step, so no backward segment (which reads forward-made views of the weights) sees a new value.
+are back: before pushing a forward segment, the step's ``before_segment`` hook waits for those
+parameters' replies and pushes one engine op per parameter that writes it (its engine var; a tied
+parameter goes by its first name). The engine runs that write before the forward segments that read
+the parameter, while earlier segments already run; segments whose parameters are not back yet are
+not pushed yet. Writes are only pushed from the next step's hooks, after the executor waited for
+every segment of this step, so no backward segment (which reads forward-made views of the weights)
+sees a new value.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from tandem import trace
-from tandem.engine import get_engine
-from tandem.executor import Segment
+from tandem import kvstore, trace
+from tandem.executor import Segment, StepHooks
 from tandem.graph.train_graph import Phase
-from tandem.kvstore import P3_FOR
-
-if TYPE_CHECKING:
-    from tandem.step import TrainStep
-    from tandem.trainer import Trainer
+from tandem.step import StepResult, TrainStep
+from tandem.update.base import Apply, Update
 
 MODES = ("baseline", "overlap", "p3")
 
@@ -42,7 +41,7 @@ MODES = ("baseline", "overlap", "p3")
 def resolve_mode(communication: str, kind: str) -> str:
     """The mode ``communication`` means on a store of ``kind`` (the kind ``kvstore.create`` makes: see
     ``kvstore.resolve_kind``); "auto" is p3 on the P3 kinds, sync or async, and overlap elsewhere."""
-    p3_kinds = P3_FOR.values()
+    p3_kinds = kvstore.P3_FOR.values()
     mode = ("p3" if kind in p3_kinds else "overlap") if communication == "auto" else communication
     if mode not in MODES:
         raise ValueError(f"communication must be 'auto' or one of {MODES}, got {communication!r}")
@@ -52,41 +51,43 @@ def resolve_mode(communication: str, kind: str) -> str:
     return mode
 
 
-class DistributedUpdate:
-    """Hooks one Trainer to a distributed kvstore. Driven by the trainer's thread; hooks run on the engine's."""
+class DistributedUpdate(Update):
+    """Sends a step's gradients to a distributed kvstore and writes the replies into the parameters.
+    Driven by the training thread; the gradient hook and the writes run on the engine's.
 
-    def __init__(self, trainer: Trainer) -> None:
-        from tandem import kvstore
+    With ``server_optimizer`` the servers run it and reply with the parameters; without, they reply
+    with the sum of the workers' gradients, and ``apply`` updates the parameters here.
+    """
 
-        config = trainer.config
-        self.trainer = trainer
-        self.mode = resolve_mode(config.communication, kvstore.resolve_kind(str(config.kvstore)))
-        if config.update_on_kvstore and isinstance(trainer.optimizer, torch.optim.Optimizer):
-            raise TypeError("update_on_kvstore=True runs the optimizer on the servers: pass a tandem.optim "
-                            "optimizer, or update_on_kvstore=False to keep a torch.optim optimizer here")
-        if config.clip_grad_norm is not None:
-            raise ValueError("clip_grad_norm is not supported with a distributed kvstore yet: gradients leave "
-                             "per layer, before a global norm exists; clip inside loss_fn or drop the option")
-        self.store = kvstore.create(str(config.kvstore))
-        self.store.set_gradient_compression(config.gradient_compression)
-        self.engine = get_engine()
+    def __init__(self, params: Mapping[str, torch.Tensor], apply: Apply, store: Any, mode: str,
+                 server_optimizer: Any = None) -> None:  # fmt: skip
+        super().__init__(params, apply, store)
+        self.mode = mode
+        self.server_optimizer = server_optimizer
         self._names: list[str] = []
         self._received: dict[str, torch.Tensor] = {}
         self._pending: dict[str, Any] = {}  # parameter name -> kvstore handle of its reply
-        self._vars: dict[str, Any] = {}
         self._priority: dict[str, int] = {}
         self._attached: set[int] = set()
         self._held: list[tuple[str, torch.Tensor]] = []  # gradients kept until backward ends
-        self._in_backward = False  # the gate has reached this step's backward segments
-        self._writes_pushed = False  # engine ops writing parameters may be queued (see _apply, _exchange)
+        self._in_backward = False  # the hook has reached this step's backward segments
 
-    @property
-    def rank(self) -> int:
-        return self.store.rank
-
-    @property
-    def num_workers(self) -> int:
-        return self.store.num_workers
+    @classmethod
+    def join(cls, params: Mapping[str, torch.Tensor], apply: Apply, optimizer: Any, kind: str,
+             communication: str = "auto", update_on_kvstore: bool = True,
+             gradient_compression: str | dict[str, Any] | None = None,
+             clip_grad_norm: float | None = None) -> DistributedUpdate:  # fmt: skip
+        """Join the parameter-server job the environment describes as a worker (``kvstore.create(kind)``)."""
+        mode = resolve_mode(communication, kvstore.resolve_kind(kind))
+        if update_on_kvstore and isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("update_on_kvstore=True runs the optimizer on the servers: pass a tandem.optim "
+                            "optimizer, or update_on_kvstore=False to keep a torch.optim optimizer here")
+        if clip_grad_norm is not None:
+            raise ValueError("clip_grad_norm is not supported with a distributed kvstore yet: gradients leave "
+                             "per layer, before a global norm exists; clip inside loss_fn or drop the option")
+        store = kvstore.create(kind)
+        store.set_gradient_compression(gradient_compression)
+        return cls(params, apply, store, mode, server_optimizer=optimizer if update_on_kvstore else None)
 
     def shard(self, dataset: Any) -> Any:
         from tandem.data import shard
@@ -94,22 +95,22 @@ class DistributedUpdate:
         return shard(dataset, self.rank, self.num_workers)
 
     # -- set-up: once per captured step --------------------------------------------------------
-    def attach(self, step: TrainStep) -> None:
-        if id(step) in self._attached:
-            return
-        self._attached.add(id(step))
-        params = self.trainer._params
+    def hooks(self, step: TrainStep) -> StepHooks:
+        if id(step) not in self._attached:
+            self._attached.add(id(step))
+            self._attach(step)
+        return super().hooks(step)
+
+    def _attach(self, step: TrainStep) -> None:
+        params = self.params
         self._names = list(step.graph.grads)  # parameter (forward) order
         self._priority = {name: -index for index, name in enumerate(self._names)}
         values = [params[n].detach() for n in self._names]
         self.store.init(self._names, values)  # collective: every worker starts from worker 0's values
-        if self.trainer.config.update_on_kvstore:
-            self.store.set_optimizer(self.trainer.optimizer)
+        if self.server_optimizer is not None:
+            self.store.set_optimizer(self.server_optimizer)
         self.store.pull(self._names, [params[n].data for n in self._names]).wait()
         self._received = {n: torch.empty_like(params[n]) for n in self._names}
-        self._vars = {n: self.engine.new_var(f"param {n}") for n in self._names}
-        step.parameter_vars = self._vars
-        step.gate = self._gate
         if self.mode != "baseline":
             step.add_gradient_hook(self._send)
         tuner = getattr(self.store, "tuner", None)
@@ -139,13 +140,13 @@ class DistributedUpdate:
 
     def _outgoing(self, grad: torch.Tensor) -> torch.Tensor:
         # Servers sum the workers' pushes: with mean-reduced losses, send grad / workers for the global mean.
-        return grad / self.num_workers if self.trainer.config.update_on_kvstore else grad
+        return grad / self.num_workers if self.server_optimizer is not None else grad
 
-    def _gate(self, segment: Segment | None) -> None:
-        """Before a segment is pushed (trainer thread): make its parameters' replies take effect."""
-        if segment is None:  # everything, and wait until written (a measured run bypasses the engine)
-            self.flush()
-            return
+    def _before_segment(self) -> Callable[[Segment], None]:
+        return self._gate
+
+    def _gate(self, segment: Segment) -> None:
+        """Before a segment is pushed (training thread): make its parameters' replies take effect."""
         if segment.phase == Phase.FORWARD:
             self._in_backward = False
             names = segment.parameters
@@ -171,19 +172,17 @@ class DistributedUpdate:
         waited = time.perf_counter() - start
         if trace.enabled() and waited > 0:
             trace.record(f"wait {name}", trace.now_us() - waited * 1e6, trace.now_us(), category="comm")
-        self.engine.push(partial(self._write, name), writes=(self._vars[name],), name=f"apply {name}")
-        self._writes_pushed = True
+        self.write([name], partial(self._write, name), f"apply {name}")
 
     def _write(self, name: str) -> None:
         """Engine op: the reply becomes the parameter (after this step's readers of it finished)."""
-        param = self.trainer._params[name]
         with torch.no_grad():
-            if self.trainer.config.update_on_kvstore:
-                param.copy_(self._received[name])
+            if self.server_optimizer is not None:
+                self.params[name].copy_(self._received[name])
             else:
-                self.trainer._update_some([name], {name: self._received[name] / self.num_workers})
+                self.apply([name], {name: self._received[name] / self.num_workers})
 
-    def after_backward(self, result: Any) -> None:
+    def after_backward(self, result: StepResult) -> None:
         """After a step: baseline pushes everything, then pulls everything; the others already sent (or held)."""
         if self.mode == "baseline":
             self._exchange(self._names, [result.grads[n] for n in self._names], pushpull=False)
@@ -202,8 +201,8 @@ class DistributedUpdate:
         if not names:
             return
         if self._writes_pushed:  # a reply applied through the engine may not be written yet (after a timing switch)
-            self._wait_for_writes()
-        params, on_servers = self.trainer._params, self.trainer.config.update_on_kvstore
+            self.wait_for_writes()
+        params, on_servers = self.params, self.server_optimizer is not None
         targets = [params[n].data if on_servers else self._received[n] for n in names]
         outgoing = [self._outgoing(grad) for grad in grads]
         start = trace.now_us()
@@ -216,19 +215,13 @@ class DistributedUpdate:
         if trace.enabled():
             trace.record(f"{'pushpull' if pushpull else 'push, pull'} all", start, trace.now_us(), category="comm")
         if not on_servers:
-            self.trainer._update_some(names, {n: self._received[n] / self.num_workers for n in names})
+            self.apply(names, {n: self._received[n] / self.num_workers for n in names})
 
     def flush(self) -> None:
         """Apply every outstanding reply and wait until the parameters are written (before eval/save)."""
         for name in list(self._pending):
             self._apply(name)
-        self._wait_for_writes()
-
-    def _wait_for_writes(self) -> None:
-        """Until every engine op writing a parameter (``_write``) has run."""
-        for var in self._vars.values():
-            self.engine.wait(var)
-        self._writes_pushed = False
+        self.wait_for_writes()
 
     def close(self) -> None:
         self.flush()
