@@ -14,8 +14,9 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   echo "[setup] installing tandem and its dependencies (torch==2.13.0)"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
   # [models]: transformers, timm and torchvision==0.28.0 (the build paired with torch 2.13.0) for the
-  # conformance suite and the hf-* models; the pin keeps pip from swapping torch for another version
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev,models]"
+  # conformance suite and the hf-* models; the pin keeps pip from swapping torch for another version.
+  # [docs]: mkdocs and mkdocstrings for the documentation site.
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev,models,docs]"
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: lint, type check, then every test. Sets up ./.venv on first use.
+# The whole test suite: lint, type check, the docs site, then every test. Sets up ./.venv on first use.
 source "$(dirname "$0")/env.sh"
 echo "[test] ruff";  ruff check tandem tests bench
 echo "[test] mypy";  mypy
+echo "[test] docs";  NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet   # the site, warnings as errors -> site/
 echo "[test] pytest"; python -m pytest -q "$@"

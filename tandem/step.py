@@ -27,7 +27,26 @@ log = logging.getLogger("tandem")
 
 @dataclass
 class StepConfig:
-    """Options of tandem.compile / Trainer; explicit values beat the TANDEM_* env knobs."""
+    """Options of ``tandem.compile``, ``compile_eval`` and ``Trainer``; explicit values beat the TANDEM_* env knobs.
+
+    Attributes:
+        mirror: backward mirroring policy: ``"off"``, ``"all"``, ``"sqrt"``, ``"memory-aware"``, a
+            budget as a fraction of the off plan's peak (``0.5``) or a size (``"300MB"``);
+            None reads ``TANDEM_MIRROR`` (default off).
+        bulk: cut the graph into segments of several nodes (None: ``TANDEM_BULK_TRAIN``, on).
+        bulk_fwd: forward segment cap in op nodes (None: ``TANDEM_BULK_MAX_NODE_TRAIN[_FWD]``, 15).
+        bulk_bwd: backward segment cap in op nodes (None: ``TANDEM_BULK_MAX_NODE_TRAIN[_BWD]``, 15).
+        recapture: capture again for a batch of new shapes; False raises ``BatchMismatchError`` instead.
+        max_captures: captured graphs kept per step; beyond it the oldest is dropped.
+        measure_memory: measure every step's memory, not only the first step of each captured shape.
+        checkpoint_regions: recompute what the model wraps in ``torch.utils.checkpoint`` (False: ignore the wrapping).
+
+    Example:
+        ```python
+        step = tandem.compile(model, loss_fn, x, y, mirror=0.5, bulk_bwd=4, recapture=False)
+        step.config.mirror          # 0.5; unknown options raise TypeError listing the valid ones
+        ```
+    """
 
     mirror: str | float | None = None  # backward mirroring policy (None: TANDEM_MIRROR, default "off")
     bulk: bool | None = None  # bulk into segments (None: TANDEM_BULK_TRAIN)
@@ -59,6 +78,20 @@ class StepConfig:
 
 @dataclass
 class StepResult:
+    """What one captured training step returns (gradients are not written to ``p.grad``).
+
+    Attributes:
+        loss: the 0-dim loss that ``loss_fn`` returned.
+        grads: parameter name -> gradient; a tied parameter's under its first name in
+            ``named_parameters()``, none for a parameter no gradient reaches (as in eager).
+
+    Example:
+        ```python
+        result = step(x, y)
+        result.loss.item(), result.grads["fc.weight"].shape
+        ```
+    """
+
     loss: torch.Tensor  # 0-dim
     grads: dict[str, torch.Tensor]  # parameter name (first name of a tied parameter) -> gradient
 
@@ -72,6 +105,21 @@ class _Compiled:
 
 @dataclass
 class TrainStep:
+    """A captured training step, made by ``tandem.compile``: call it on a batch to run forward, loss
+    and backward as a planned graph.
+
+    Each new batch layout (shapes, dtypes, static leaves) is captured and planned once and kept (up
+    to ``max_captures``). BatchNorm running statistics are written back to the module as in eager.
+
+    Example:
+        ```python
+        step = tandem.compile(model, loss_fn, x, y)
+        result = step(x, y)                          # a StepResult
+        step.memory_report()["peak_bytes"]           # measured bytes of live intermediates
+        step.add_gradient_hook(lambda name, grad: print(name, grad.norm()))
+        ```
+    """
+
     module: nn.Module
     loss_fn: LossFn
     config: StepConfig
@@ -98,7 +146,22 @@ class TrainStep:
         return self._unpack(graph, outputs)
 
     def memory_report(self) -> dict[str, Any]:
-        """Measured memory of the most recent measured step (the first step is always measured)."""
+        """Measured memory of the most recent measured step (the first step is always measured).
+
+        Keys: ``peak_bytes`` (the measured peak of live intermediate storages; inputs and parameters
+        not counted), ``saved_bytes`` (live at the forward/backward boundary),
+        ``allocator_peak_bytes`` (an accelerator allocator's peak, None on CPU), ``num_nodes``,
+        ``num_segments``, and what the mirroring pass decided: ``policy``, ``mirrored``,
+        ``recompute_flops``, ``estimated_peak_bytes`` (and ``_off``), ``saved_bytes_by_policy``,
+        with a budget ``budget_bytes`` / ``budget_met``, with checkpointed regions ``checkpointed``.
+
+        Example:
+            ```python
+            step(x, y)
+            report = step.memory_report()
+            print(report["peak_bytes"] / 2**20, "MiB at the peak;", report["mirrored"], "values recomputed")
+            ```
+        """
         compiled = self._last
         if compiled is None or compiled.memory is None:
             raise RuntimeError("memory_report() needs one step first: call step(*batch)")
@@ -188,7 +251,16 @@ class EvalStep(TrainStep):
 
 
 def compile_eval(module: nn.Module, loss_fn: LossFn, *example_batch: Any, **options: Any) -> EvalStep:
-    """Capture the eval-mode forward of ``loss_fn(module, *example_batch)`` (loss and module output)."""
+    """Capture the eval-mode forward of ``loss_fn(module, *example_batch)`` (loss and module output).
+
+    The whole forward runs as one segment unless TANDEM_BULK_INFERENCE=0. ``Trainer.evaluate`` uses it.
+
+    Example:
+        ```python
+        evaluate = tandem.compile_eval(model, loss_fn, x, y)
+        out = evaluate(x, y)             # out.loss, out.output (what the module returned: the logits)
+        ```
+    """
     step = EvalStep(module=module, loss_fn=loss_fn, config=StepConfig.from_options(options))
     step._for_batch(example_batch)
     return step
@@ -201,6 +273,19 @@ def compile(module: nn.Module, loss_fn: LossFn, *example_batch: Any, **options: 
     transformers collator's dict works); non-tensor leaves are static: a new value captures again.
     Options: see StepConfig (mirror, bulk, bulk_fwd, bulk_bwd, recapture, max_captures,
     measure_memory, checkpoint_regions).
+
+    Example:
+        ```python
+        import torch.nn.functional as F
+        import tandem
+        from tandem import data, models
+
+        model = models.resnet(depth=8, width=16, in_channels=1, small_input=True)
+        loss_fn = lambda module, x, y: F.cross_entropy(module(x), y)
+        x, y = next(iter(data.batches(data.digits("train"), 64)))
+        step = tandem.compile(model, loss_fn, x, y, mirror="memory-aware")
+        result = step(x, y)              # result.loss, result.grads["fc.weight"]
+        ```
     """
     config = StepConfig.from_options(options)
     step = TrainStep(module=module, loss_fn=loss_fn, config=config)

@@ -73,7 +73,33 @@ class TrainerConfig:
 
 
 class Trainer:
-    """Trains ``module`` on ``loss_fn(module, *batch)``. Not thread-safe."""
+    """Trains ``module`` on ``loss_fn(module, *batch)``. Not thread-safe.
+
+    ``optimizer`` is a ``tandem.optim`` update rule (all parameters in one fused call; needed where
+    the servers update) or a ``torch.optim.Optimizer`` over the module's parameters. ``options`` are
+    ``StepConfig``'s (``mirror``, ``bulk_fwd``, ``bulk_bwd``, ``recapture``, ...) and these:
+
+    - ``batch_size`` (64): the batch ``fit``/``evaluate`` cut a Dataset into, per worker when distributed;
+    - ``shuffle`` (True), ``drop_last`` (True), ``seed`` (0): the data order depends only on ``(seed, epoch)``;
+    - ``clip_grad_norm`` (None): clip the global gradient norm, in one fused op (not with a distributed kvstore);
+    - ``progress`` (True): a progress bar in ``fit``;
+    - ``kvstore`` (None): ``"local"``, or ``"dist_sync"``, ``"dist_async"``, ``"dist_p3"``, ``"dist_p3_async"``
+      to train data-parallel under ``tandem launch`` or torchrun;
+    - ``update_on_kvstore`` (True): the servers run the optimizer; False: they sum gradients, each worker updates;
+    - ``communication`` ("auto"): ``"baseline"``, ``"overlap"`` or ``"p3"`` (auto: p3 on the P3 kinds, else overlap);
+    - ``gradient_compression`` (None): ``"fp16"``, ``"bf16"``, ``"2bit"`` or ``{"type": "2bit", "threshold": 0.5}``.
+
+    Unknown options raise ``TypeError`` listing the valid ones.
+
+    Example:
+        ```python
+        trainer = tandem.Trainer(model, loss_fn, tandem.optim.SGD(lr=0.05, momentum=0.9),
+                                 batch_size=64, mirror="memory-aware")
+        history = trainer.fit(data.digits("train"), epochs=3, eval_data=data.digits("test"))
+        trainer.evaluate(data.digits("test"))     # {"loss": ..., "accuracy": ...}
+        trainer.save("ckpt.pt")                   # trainer.load("ckpt.pt") resumes the same trajectory
+        ```
+    """
 
     def __init__(self, module: nn.Module, loss_fn: LossFn, optimizer: Any, **options: Any) -> None:
         if not isinstance(module, nn.Module):

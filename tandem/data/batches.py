@@ -23,7 +23,13 @@ class Batches:
 
     Not thread safe to share one iterator, but the object itself is immutable, so several threads
     may each iterate it. Shuffled order depends only on (seed, epoch): pass the epoch number to get
-    a fresh but reproducible order every epoch.
+    a fresh but reproducible order every epoch. Made by ``batches``.
+
+    Example:
+        ```python
+        train = tandem.data.batches(tandem.data.digits("train"), 64)
+        len(train), [x.shape for x, y in train][0]     # (23, torch.Size([64, 1, 8, 8]))
+        ```
     """
 
     def __init__(
@@ -84,6 +90,13 @@ def batches(
 
     Unshuffled batches are views (slices); shuffled ones are gathered copies. The last batch is
     smaller unless ``drop_last``.
+
+    Example:
+        ```python
+        for epoch in range(3):
+            for x, y in tandem.data.batches(tandem.data.digits("train"), 64, shuffle=True, epoch=epoch):
+                ...                      # x (64, 1, 8, 8) float32, y (64,) int64; 23 batches
+        ```
     """
     return Batches(dataset, batch_size, shuffle, seed, epoch, drop_last)
 
@@ -123,6 +136,12 @@ def loader(
     tensors. Like ``batches``, it is re-iterable with the same batches every time, the shuffled
     order (the same as ``batches``') depends only on ``(seed, epoch)``, and it never draws from the
     global RNG, so data loading leaves dropout's stream alone.
+
+    Example:
+        ```python
+        for batch in tandem.data.loader(tandem.data.pydoc_text("train"), 32, shuffle=True, epoch=0):
+            batch["input_ids"].shape     # (32, 64); also "attention_mask" and "labels"
+        ```
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"loader: batch_size={batch_size!r} must be a positive int")

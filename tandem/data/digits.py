@@ -44,6 +44,12 @@ def digits(
     Pixels are scaled to [0, 1] and then standardised with the mean and std of the *train* split
     (so the test split sees no statistics of its own). Images are float32 (N, 1, 8, 8), or (N, 64)
     when ``flat``; labels are int64. The same (test_fraction, seed) always gives the same split.
+
+    Example:
+        ```python
+        train, test = tandem.data.digits("train"), tandem.data.digits("test")   # 1437 / 360 samples
+        images, labels = train.tensors                                          # (1437, 1, 8, 8), (1437,)
+        ```
     """
     if split not in ("train", "test"):
         raise ValueError(f"digits: split={split!r} must be 'train' or 'test'")

@@ -21,6 +21,12 @@ def shard(dataset: Dataset[Any], rank: int, world_size: int) -> Dataset[Any]:
 
     A TensorDataset shards into a TensorDataset of views (no copy, and ``batches`` still works);
     any other sized dataset into a ``Subset``. Shuffle within a shard with ``batches(shuffle=True)``.
+    ``Trainer.fit`` shards a Dataset by rank itself in distributed training.
+
+    Example:
+        ```python
+        mine = tandem.data.shard(tandem.data.digits("train"), rank=0, world_size=2)   # 718 of 1437 samples
+        ```
     """
     if isinstance(dataset, TensorDataset):
         start, end = shard_bounds(len(dataset.tensors[0]), rank, world_size)

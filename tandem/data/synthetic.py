@@ -19,7 +19,14 @@ TOKEN_NOISE = 0.1  # chance that a token is replaced by a random one
 def synthetic_images(
     n: int, shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10, seed: int = 0
 ) -> TensorDataset:
-    """``TensorDataset(images float32 (n, *shape), labels int64 (n,))``: class mean image + unit noise."""
+    """``TensorDataset(images float32 (n, *shape), labels int64 (n,))``: class mean image + unit noise.
+
+    Example:
+        ```python
+        train = tandem.data.synthetic_images(4096, shape=(3, 32, 32), seed=0)
+        test = tandem.data.synthetic_images(512, seed=1)
+        ```
+    """
     if n < 0 or num_classes < 1 or not shape or min(shape) < 1:
         raise ValueError(
             f"synthetic_images: n={n}, shape={shape}, num_classes={num_classes} must be positive"
@@ -36,6 +43,12 @@ def synthetic_tokens(n: int, seq_len: int = 64, vocab_size: int = 512, seed: int
     Each row walks a fixed pattern of distinct tokens (period 16 or the vocabulary size) from a
     random offset, with 10% of tokens replaced at random: the next token is predictable from the
     context, so a language model's loss falls well below log(vocab_size) as it learns.
+
+    Example:
+        ```python
+        train = tandem.data.synthetic_tokens(2048, seq_len=64, vocab_size=512)
+        tokens, targets = train[0]       # (64,), (64,): targets[:-1] == tokens[1:]
+        ```
     """
     if n < 0 or seq_len < 1 or vocab_size < 2:
         raise ValueError(

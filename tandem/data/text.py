@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from tandem.data.rng import generator
 
 BYTE_VOCAB_SIZE = 256  # byte-level tokens: every UTF-8 byte is one token
+"""Vocabulary size of ``pydoc_text``'s byte-level tokens: every UTF-8 byte is one token."""
 TOPIC_SEPARATOR = "\n\n"  # between the help topics of the corpus
 
 
@@ -35,6 +36,12 @@ class TextBlocks(Dataset[dict[str, Tensor]]):
 
     ``tokens`` is an int64 (n, block_size) tensor; every position is real text (attention_mask all
     ones) and predicted (labels = input_ids: a causal LM shifts them by one inside).
+
+    Example:
+        ```python
+        blocks = tandem.data.pydoc_text("validation")
+        blocks[0]["input_ids"].shape, blocks.block_size, blocks.text(0)[:20]
+        ```
     """
 
     def __init__(self, tokens: Tensor) -> None:
@@ -74,6 +81,12 @@ def pydoc_text(
     ``seed`` picks ``round(validation_fraction * blocks)`` of them for ``"validation"``; the rest are
     ``"train"``. Both splits keep the blocks in corpus order (shuffling is the batch iterator's job),
     share no block, and the same (block_size, validation_fraction, seed) always gives the same split.
+
+    Example:
+        ```python
+        train = tandem.data.pydoc_text("train")             # 6557 blocks of 64 bytes (728 in "validation")
+        train[0]["input_ids"].shape, train.text(0)[:22]     # (torch.Size([64]), 'The "assert" statement')
+        ```
     """
     if split not in ("train", "validation"):
         raise ValueError(f"pydoc_text: split={split!r} must be 'train' or 'validation'")

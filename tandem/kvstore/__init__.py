@@ -31,6 +31,17 @@ def create(kind: str = "local", **options: Any) -> KVStore:
     ``heartbeat``, ``timeout``, ``secret``, ``bind_addr``, ``rendezvous_timeout``, ``exit_on_failure``;
     ``dist_p3``/``dist_p3_async`` also take ``slice_size`` (or "auto") and ``water_mark`` (docs/p3.md).
     With TANDEM_KVSTORE_P3=1 (``tandem launch --p3``) ``dist_sync``/``dist_async`` become P3 stores.
+
+    Example:
+        ```python
+        kv = tandem.kvstore.create("local")
+        kv.init("w", torch.zeros(3))
+        kv.push("w", [torch.ones(3), torch.ones(3)]).wait()   # one value per device: summed
+        out = torch.empty(3)
+        kv.pull("w", out).wait()                              # out is [2., 2., 2.]
+
+        kv = tandem.kvstore.create("dist_sync")               # a worker of a job (tandem launch, torchrun)
+        ```
     In a server process of a distributed job this call serves until the job ends and exits the process.
     """
     if kind == "local":

@@ -52,6 +52,13 @@ class Handle:
     released once when it ends, so ``wait`` is one lock acquisition and finishing is one release;
     an Event goes through a Condition, allocating a waiter lock per wait, which is a measurable
     part of a small request's round trip.
+
+    Example:
+        ```python
+        handle = kv.pushpull("w", grad, out=param)
+        handle.add_done_callback(lambda h: print("done", h.error))   # must not block
+        handle.wait(timeout=30)          # raises the operation's error, or KVStoreTimeout
+        ```
     """
 
     def __init__(self, what: str, parts: int, on_complete: Callable[[], None] | None = None,
@@ -146,6 +153,12 @@ class Handle:
         ``drive=False`` leaves the replies to the store's IO thread, for a waiter that has other
         work to return to at once: it is woken as soon as its own operation is done, while the
         IO thread goes on receiving the others' replies (see ``DistributedTrainer._apply``).
+
+        Example:
+            ```python
+            kv.pull("w", out).wait()           # out holds the value now
+            kv.push("w", grad).wait(timeout=5) # KVStoreTimeout after 5 s
+            ```
         """
         if not self._finished:
             limit = knob("TANDEM_PS_WAIT_TIMEOUT") if timeout is None else timeout
@@ -221,6 +234,16 @@ class KVStore(ABC):
     Thread safety: one thread should drive a store; handles may be waited on from any thread.
     Collective calls (``init``, ``set_optimizer``, ``barrier``, ``save/load_server_state``) must be
     made by every worker in the same order.
+
+    Example:
+        ```python
+        kv = tandem.kvstore.create("local")        # or "dist_sync" in a worker of a job
+        kv.init(["w", "b"], [torch.zeros(3), torch.zeros(1)])
+        kv.set_optimizer(tandem.optim.SGD(lr=0.1))  # updates run where the values are stored
+        w, b = torch.empty(3), torch.empty(1)
+        kv.pushpull(["w", "b"], [torch.ones(3), torch.ones(1)], out=[w, b]).wait()   # w is [-0.1, -0.1, -0.1]
+        kv.close()
+        ```
     """
 
     kind: str = "base"
@@ -243,15 +266,35 @@ class KVStore(ABC):
 
     @abstractmethod
     def push(self, keys: Key | Sequence[Key], values: Any, priority: int = 0) -> Handle:
-        """Send values (summed per key over devices) to be aggregated; asynchronous."""
+        """Send values (summed per key over devices) to be aggregated; asynchronous.
+
+        Example:
+            ```python
+            handle = kv.push("w", grad, priority=-1)   # among queued requests, higher priority goes first
+            handle.wait()                              # grad may be changed again only after this
+            ```
+        """
 
     @abstractmethod
     def pull(self, keys: Key | Sequence[Key], out: Any, priority: int = 0) -> Handle:
-        """Copy the current values into ``out`` (visible after ``wait``); asynchronous."""
+        """Copy the current values into ``out`` (visible after ``wait``); asynchronous.
+
+        Example:
+            ```python
+            kv.pull(["w", "b"], out=[w, b]).wait()     # w and b hold the stored values now
+            ```
+        """
 
     @abstractmethod
     def pushpull(self, keys: Key | Sequence[Key], values: Any, out: Any = None, priority: int = 0) -> Handle:
-        """Push then pull in one trip; ``out=None`` writes the result into ``values``; asynchronous."""
+        """Push then pull in one trip; ``out=None`` writes the result into ``values``; asynchronous.
+
+        Example:
+            ```python
+            # data-parallel SGD with the optimizer on the servers: gradients in, parameters out
+            kv.pushpull("w", param.grad / kv.num_workers, out=param.data).wait()
+            ```
+        """
 
     @abstractmethod
     def set_optimizer(self, optimizer: Any) -> None:

@@ -140,5 +140,13 @@ def gpt(
     dropout: float = 0.1,
     bias: bool = True,
 ) -> GPT:
-    """A small nanoGPT-style decoder-only transformer with tied embedding / lm_head."""
+    """A small nanoGPT-style decoder-only transformer with tied embedding / lm_head.
+
+    Example:
+        ```python
+        model = tandem.models.gpt(vocab_size=512, block_size=64, n_layer=4)
+        trainer = tandem.Trainer(model, tandem.models.lm_loss, tandem.optim.AdamW(lr=3e-3))
+        trainer.fit(tandem.data.synthetic_tokens(2048, seq_len=64, vocab_size=512), epochs=1)
+        ```
+    """
     return GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)

@@ -24,7 +24,15 @@ INSTALL_HINT = "pip install -e .[models]"
 
 
 def model_loss(module: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """The model's own loss on a dict batch with labels: ``module(**batch).loss`` (transformers)."""
+    """The model's own loss on a dict batch with labels: ``module(**batch).loss`` (transformers).
+
+    Example:
+        ```python
+        trainer = tandem.Trainer(tandem.models.build("hf-gpt2"), tandem.models.model_loss,
+                                 tandem.optim.AdamW(lr=3e-3), batch_size=32)
+        trainer.fit(tandem.data.pydoc_text("train"), epochs=1)
+        ```
+    """
     loss: Tensor = module(**batch).loss
     return loss
 

@@ -93,5 +93,12 @@ def lstm_lm(
     dropout: float = 0.0,
     tie_weights: bool = True,
 ) -> LSTMLanguageModel:
-    """An LSTM language model with an explicit, unrolled cell (see the module docstring for why)."""
+    """An LSTM language model with an explicit, unrolled cell (see the module docstring for why).
+
+    Example:
+        ```python
+        model = tandem.models.lstm_lm(vocab_size=512, embed_dim=128, hidden=128)
+        logits = model(tokens)           # tokens (N, T) int64 -> (N, T, 512)
+        ```
+    """
     return LSTMLanguageModel(vocab_size, embed_dim, hidden, num_layers, dropout, tie_weights)

@@ -47,5 +47,11 @@ class MLP(nn.Module):
 def mlp(
     in_features: int = 64, hidden: Sequence[int] = (128, 128), num_classes: int = 10, dropout: float = 0.0
 ) -> MLP:
-    """An MLP over ``in_features`` inputs (images are flattened inside), e.g. 64 for 8x8 digits."""
+    """An MLP over ``in_features`` inputs (images are flattened inside), e.g. 64 for 8x8 digits.
+
+    Example:
+        ```python
+        model = tandem.models.mlp(in_features=64, hidden=(128, 128))   # digits; hidden=(32,)*20: deep and thin
+        ```
+    """
     return MLP(in_features, tuple(hidden), num_classes, dropout)

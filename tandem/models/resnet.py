@@ -85,5 +85,11 @@ class ResNet(nn.Module):
 def resnet(
     depth: int = 18, width: int = 64, num_classes: int = 10, in_channels: int = 3, small_input: bool = False
 ) -> ResNet:
-    """ResNet-8/18/34 with BatchNorm; ``small_input=True`` for 8x8 and 32x32 images."""
+    """ResNet-8/18/34 with BatchNorm; ``small_input=True`` for 8x8 and 32x32 images.
+
+    Example:
+        ```python
+        model = tandem.models.resnet(depth=8, width=16, in_channels=1, small_input=True)   # digits, 77,754 parameters
+        ```
+    """
     return ResNet(depth, width, num_classes, in_channels, small_input)

@@ -103,7 +103,13 @@ def vgg(
     batch_norm: bool = False,
     dropout: float = 0.0,
 ) -> VGG:
-    """VGG-11/16 for ``image_size`` square inputs; ``dropout`` (0.5 in the paper) is off by default."""
+    """VGG-11/16 for ``image_size`` square inputs; ``dropout`` (0.5 in the paper) is off by default.
+
+    Example:
+        ```python
+        model = tandem.models.vgg("vgg11", width_multiplier=0.25, classifier_width=512)   # 32x32 RGB images
+        ```
+    """
     return VGG(
         config, num_classes, in_channels, width_multiplier, image_size, classifier_width, batch_norm, dropout
     )

@@ -167,6 +167,14 @@ def lookup(name: str) -> ZooEntry | LibraryEntry:
     """The entry called ``name``: a ZOO model, or a LIBRARY one (``hf-gpt2``, ``hf-llama``).
 
     Both have ``build(**overrides)`` and ``loss_fn``; a ValueError lists the valid names.
+
+    Example:
+        ```python
+        entry = tandem.models.lookup("gpt")
+        model = entry.build(**entry.tiny)                # a few thousand parameters
+        batch = entry.make_batch(4, torch.Generator().manual_seed(0), **entry.tiny)
+        loss = entry.loss_fn(model, *batch)
+        ```
     """
     entry = ZOO.get(name) or LIBRARY.get(name)
     if entry is None:
@@ -179,5 +187,11 @@ def build(name: str, **overrides: Any) -> nn.Module:
 
     A LIBRARY name builds that library model from its config class, ``overrides`` updating the config
     (an ImportError naming the ``models`` extra where the library is not installed).
+
+    Example:
+        ```python
+        model = tandem.models.build("resnet", depth=8, width=16, in_channels=1, small_input=True)
+        lm = tandem.models.build("hf-gpt2", n_embd=128)  # transformers' GPT2LMHeadModel (models extra)
+        ```
     """
     return lookup(name).build(**overrides)

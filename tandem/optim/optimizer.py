@@ -28,6 +28,14 @@ class Optimizer(ABC):
 
     ``lr`` is mutable (schedules change it between steps); the fused op re-checks every
     hyperparameter on each update. Not thread safe: one update at a time per state.
+
+    Example:
+        ```python
+        opt = tandem.optim.AdamW(lr=1e-3)
+        config = opt.to_config()          # {"name": "adamw", "lr": 0.001, "beta1": 0.9, ...}: plain JSON
+        same = tandem.optim.Optimizer.from_config(config)
+        opt.lr = 5e-4                     # a schedule changes lr between steps
+        ```
     """
 
     name: ClassVar[str]
@@ -101,7 +109,13 @@ def _field_defaults(optimizer_class: type[Optimizer]) -> dict[str, Any]:
 
 
 def create(name: str, **hyperparams: Any) -> Optimizer:
-    """The optimizer called ``name`` ('sgd', 'adamw', 'lamb'); ValueError on an unknown name or field."""
+    """The optimizer called ``name`` ('sgd', 'adamw', 'lamb'); ValueError on an unknown name or field.
+
+    Example:
+        ```python
+        opt = tandem.optim.create("sgd", lr=0.1, momentum=0.9)
+        ```
+    """
     optimizer_class = _lookup(name)
     known = _field_defaults(optimizer_class)
     unknown = sorted(set(hyperparams) - set(known))

@@ -13,10 +13,18 @@ from tandem.optim.optimizer import Optimizer
 
 @dataclass
 class SGD(Optimizer):
-    """State: ``{}`` until the first momentum step, then ``{"momentum_buffer": tensor}``.
+    """SGD with momentum, dampening, Nesterov and weight decay, equal to ``torch.optim.SGD``.
+
+    State: ``{}`` until the first momentum step, then ``{"momentum_buffer": tensor}``.
 
     The buffer is created by the first update and holds that step's gradient, as torch does, so
     dampening never applies to the first step. With momentum 0 the state stays empty.
+    ``fused=True`` runs torch's single-pass kernel (faster; equal to the default to a few ulps).
+
+    Example:
+        ```python
+        trainer = tandem.Trainer(model, loss_fn, tandem.optim.SGD(lr=0.05, momentum=0.9, weight_decay=5e-4))
+        ```
     """
 
     name: ClassVar[str] = "sgd"
