@@ -107,15 +107,18 @@ def _report(**fields: Any) -> None:
 
 
 def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
-    """A process of a `tandem launch` job: servers serve inside Trainer(); workers train and report."""
+    """A process of a `tandem launch` job: servers serve (kvstore.serve); workers train and report."""
     import torch
 
     import tandem.optim
+    from tandem import kvstore
     from tandem.trainer import Trainer
 
+    base, _, compression = mode.partition("+")  # "p3-auto+2bit": p3-auto with 2-bit gradient compression
+    if kvstore.is_server():
+        sys.exit(kvstore.serve(KINDS[base]))
     torch.set_num_threads(1)
     module, loss_fn, batch, _ = _model(model)
-    base, _, compression = mode.partition("+")  # "p3-auto+2bit": p3-auto with 2-bit gradient compression
     trainer = Trainer(module, loss_fn, tandem.optim.SGD(lr=0.01, momentum=0.9), kvstore=KINDS[base],
                       communication=base.removesuffix("-auto"), gradient_compression=compression or None,
                       update_on_kvstore=os.environ.get("P3BENCH_UPDATE", "servers") == "servers",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -118,11 +119,12 @@ def train(args: argparse.Namespace) -> int:
     from tandem.env import knob
     from tandem.trainer import Trainer
 
-    if args.kvstore and args.kvstore != "local" and knob("TANDEM_ROLE") == "server":
+    if args.kvstore not in (None, "local"):
         from tandem import kvstore
 
-        kvstore.create(args.kvstore)  # a server of the job: serves until the job ends, then exits
-        return 0
+        if kvstore.is_server():  # a server of the job (tandem launch runs this command in every role)
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+            return kvstore.serve(args.kvstore)  # until the job ends
     torch.set_num_threads(args.threads or knob("TANDEM_NUM_THREADS") or max(1, (os.cpu_count() or 1)))
     torch.manual_seed(args.seed)
     overrides = dict(_split_pair(item, "--model-arg") for item in args.model_arg)

@@ -1,8 +1,9 @@
 """``tandem launch -n W -s S -- python train.py``: run a parameter-server job on this machine.
 
 The launcher hosts the rendezvous store (torch's ``TCPStore``), then starts the *same command* S
-times with ``TANDEM_ROLE=server`` and W times with ``TANDEM_ROLE=worker`` (ps-lite style: the
-script's ``tandem.kvstore.create("dist_sync")`` call serves and exits in a server process).
+times with ``TANDEM_ROLE=server`` and W times with ``TANDEM_ROLE=worker`` (ps-lite style: in a
+server process the script runs the server's entry point, ``tandem.kvstore.serve(kind)``, as
+``tandem train`` does; ``python -m tandem.kvstore.ps`` is the same for tools).
 Every output line is prefixed with its process, e.g. ``[worker 0] loss 0.25``.
 
 The job fails fast: when any process exits nonzero the launcher names it, stops the others

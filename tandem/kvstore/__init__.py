@@ -1,31 +1,23 @@
 """Key-value stores for data-parallel training: ``local`` (one process) and a parameter server.
 
 ``create("local")`` sums per-device values in this process; ``create("dist_sync")`` and
-``create("dist_async")`` join a parameter-server job started by ``tandem launch`` or torchrun
-(see docs/distributed.md); ``dist_p3`` / ``dist_p3_async`` add priority-based propagation (docs/p3.md).
+``create("dist_async")`` join a parameter-server job started by ``tandem launch`` or torchrun as a
+worker, and ``serve("dist_sync")`` runs a server of it (see docs/distributed.md); ``dist_p3`` /
+``dist_p3_async`` add priority-based propagation (docs/p3.md).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tandem.env import knob
 from tandem.kvstore.base import Handle, KVStore
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, ProtocolError, RemoteError
+from tandem.kvstore.kinds import DISTRIBUTED_KINDS, KINDS, P3_FOR, resolve_kind
 from tandem.kvstore.local import LocalKVStore
-
-KINDS = ("local", "dist_sync", "dist_async", "dist_p3", "dist_p3_async")
-P3_FOR = {"dist_sync": "dist_p3", "dist_async": "dist_p3_async"}  # what TANDEM_KVSTORE_P3=1 (launch --p3) makes of a kind
-
-
-def resolve_kind(kind: str) -> str:
-    """The kind ``create(kind)`` makes: under TANDEM_KVSTORE_P3=1 (``tandem launch --p3``) the
-    parameter-server kinds become their P3 kinds."""
-    return P3_FOR[kind] if kind in P3_FOR and knob("TANDEM_KVSTORE_P3") else kind
 
 
 def create(kind: str = "local", **options: Any) -> KVStore:
-    """A new store of ``kind``; distributed kinds read their topology from the environment.
+    """A new store of ``kind``; distributed kinds join, as a worker, the job the environment describes.
 
     Options of distributed kinds (each defaults to its TANDEM_* knob): ``bigarray_bound``,
     ``heartbeat``, ``timeout``, ``secret``, ``bind_addr``, ``rendezvous_timeout``, ``exit_on_failure``;
@@ -42,25 +34,44 @@ def create(kind: str = "local", **options: Any) -> KVStore:
 
         kv = tandem.kvstore.create("dist_sync")               # a worker of a job (tandem launch, torchrun)
         ```
-    In a server process of a distributed job this call serves until the job ends and exits the process.
+    A server process of the job is refused (KVStoreError): it runs ``serve(kind)`` instead.
     """
     if kind == "local":
         if options:
             raise TypeError(f"the local kvstore takes no options, got {sorted(options)}")
         return LocalKVStore()
+    from tandem.kvstore.ps.job import connect  # imported late: zmq is only needed for distributed runs
+
+    return connect(_distributed(kind), **options)
+
+
+def serve(kind: str = "dist_sync", **options: Any) -> int:
+    """The server role's entry point: run this server process of the job until the job ends.
+
+    Returns the exit status (0: every worker said goodbye; 1: the job failed), never exits. Under
+    ``tandem launch`` or torchrun every process runs the same script, so a script serves first:
+    ``if tandem.kvstore.is_server(): sys.exit(tandem.kvstore.serve("dist_sync"))``. ``kind`` and the
+    options are ``create``'s (P3 or not as there). The server logs to ``logging`` ("tandem.kvstore.server").
+    """
+    from tandem.kvstore.ps.job import serve as serve_job
+
+    return serve_job(_distributed(kind), **options)
+
+
+def is_server() -> bool:
+    """Whether this process is a server of a distributed job (``TANDEM_ROLE=server``, or a server rank
+    under torchrun); False outside a job."""
+    from tandem.kvstore.ps.job import is_server as server_role
+
+    return server_role()
+
+
+def _distributed(kind: str) -> str:
     kind = resolve_kind(kind)
-    if kind in ("dist_sync", "dist_async"):
-        from tandem.kvstore.ps import connect  # imported late: zmq is only needed for distributed runs
-
-        return connect(kind, **options)
-    if kind in ("dist_p3", "dist_p3_async"):
-        from tandem.kvstore.ps.p3 import (
-            connect as connect_p3,  # options: slice_size, water_mark, as dist_sync's
-        )
-
-        return connect_p3(kind, **options)
-    raise ValueError(f"unknown kvstore kind {kind!r}; choose one of {KINDS}")
+    if kind not in DISTRIBUTED_KINDS:
+        raise ValueError(f"unknown kvstore kind {kind!r}; choose one of {KINDS}")
+    return kind
 
 
-__all__ = ["KINDS", "Handle", "KVStore", "KVStoreError", "KVStoreTimeout", "LocalKVStore", "PeerFailure",
-           "ProtocolError", "RemoteError", "create", "resolve_kind"]  # fmt: skip
+__all__ = ["KINDS", "P3_FOR", "Handle", "KVStore", "KVStoreError", "KVStoreTimeout", "LocalKVStore", "PeerFailure",
+           "ProtocolError", "RemoteError", "create", "is_server", "resolve_kind", "serve"]  # fmt: skip

@@ -93,8 +93,10 @@ def test_a_crashed_run_is_removed_by_the_next_network() -> None:
 
 
 JOB = """
-import os, torch
+import os, sys, torch
 import tandem.kvstore as kvstore
+if kvstore.is_server():
+    sys.exit(kvstore.serve("dist_sync"))
 kv = kvstore.create("dist_sync")
 assert os.environ["TANDEM_MASTER_ADDR"].startswith("10.231."), os.environ["TANDEM_MASTER_ADDR"]
 assert kv.addresses[0].endpoint.startswith("tcp://10.231."), kv.addresses

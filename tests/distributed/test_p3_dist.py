@@ -1,7 +1,7 @@
 """The dist_p3 kvstore with real server and worker processes on 127.0.0.1.
 
 Run as a script, this file is the job every process of those tests runs (``main`` below): a
-server process serves and exits inside ``connect``; a worker checks and saves its results.
+server process serves (``kvstore.serve``) until the job ends; a worker checks and saves its results.
 """
 
 from __future__ import annotations
@@ -457,6 +457,8 @@ def _launched(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-unty
 def main(mode: str, kind: str, out: str) -> None:
     import tandem.kvstore as kvstore
 
+    if kvstore.is_server():  # a server of the job: serve until it ends
+        sys.exit(kvstore.serve(kind))
     kv = kvstore.create(kind)
     saved = {
         "sums": _sums,

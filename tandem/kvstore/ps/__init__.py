@@ -1,28 +1,9 @@
 """The distributed kvstore: servers and workers in separate processes talking ZeroMQ.
 
-``connect(kind)`` is what ``tandem.kvstore.create("dist_sync")`` calls. The same script plays
-every role (ps-lite style): in a server process the call runs the server loop and then exits the
-process; in a worker process it returns a connected ``DistKVStore``.
+``job.connect(kind)`` is what ``tandem.kvstore.create("dist_sync")`` calls in a worker process, and
+``job.serve(kind)`` what ``tandem.kvstore.serve("dist_sync")`` (or ``python -m tandem.kvstore.ps``)
+runs in a server process. Modules: topology (who is who), protocol and transport (the wire),
+placement (which server holds which slice), client and worker (a worker's store), server, p3*
+(priority-based propagation), job (joining in either role). Nothing is imported here, so that the
+wire modules load without the server and worker.
 """
-
-from __future__ import annotations
-
-import sys
-from typing import Any
-
-from tandem.kvstore.ps.server import run_server
-from tandem.kvstore.ps.topology import DistOptions, Topology, set_torch_threads
-from tandem.kvstore.ps.worker import DistKVStore
-
-
-def connect(kind: str, **options: Any) -> DistKVStore:
-    """Join the job the environment describes: serve and exit (server role) or return the worker's store."""
-    settings = DistOptions.from_env(kind, **options)
-    topology = Topology.from_env()
-    set_torch_threads(topology)
-    if topology.role == "server":
-        sys.exit(run_server(topology, settings))
-    return DistKVStore(topology, settings)
-
-
-__all__ = ["DistKVStore", "DistOptions", "Topology", "connect", "run_server"]

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
-import sys
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,9 +25,9 @@ import torch
 
 from tandem import trace
 from tandem.env import knob
-from tandem.kvstore import P3_FOR
 from tandem.kvstore.base import Handle, normalize
 from tandem.kvstore.errors import KVStoreError
+from tandem.kvstore.kinds import P3_FOR
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue
 from tandem.kvstore.ps.p3_reslice import Move, move_slots
 from tandem.kvstore.ps.p3_sender import PrioritySender
@@ -42,7 +40,6 @@ from tandem.kvstore.ps.topology import (
     Topology,
     from_rank_zero,
     mean_over_workers,
-    set_torch_threads,
 )
 from tandem.kvstore.ps.transport import Incoming, ServerTransport
 from tandem.kvstore.ps.worker import DistKVStore, Item
@@ -273,22 +270,3 @@ class P3Server(Server):
         trace.record(f"serve {header.command.name.lower()} {header.key}[{header.slice_start}:{header.slice_stop}]",
                      start, trace.now_us(), "comm", {"key": header.key, "slice": [header.slice_start, header.slice_stop],
                      "priority": header.priority, "worker": header.sender_rank}, self._row)  # fmt: skip
-
-
-def connect(kind: str = "dist_p3", slice_size: int | str | None = None, water_mark: int | None = None,
-            **options: Any) -> P3KVStore:  # fmt: skip
-    """Join a P3 job: serve and exit (server role) or return the worker's ``P3KVStore``.
-
-    ``kind`` is ``dist_p3`` (sync rounds) or ``dist_p3_async``; ``slice_size`` (elements, or "auto")
-    and ``water_mark`` default to their knobs; other options as ``dist_sync``'s.
-    """
-    if kind not in P3_KINDS:
-        raise KVStoreError(f"unknown P3 kind {kind!r}; choose one of {sorted(P3_KINDS)}")
-    p3 = P3Options.from_env(slice_size, water_mark)
-    settings = DistOptions.from_env(P3_KINDS[kind], **options)
-    topology = Topology.from_env()
-    set_torch_threads(topology)
-    if topology.role == "server":
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-        sys.exit(P3Server(topology, settings).serve())
-    return P3KVStore(topology, settings, p3)

@@ -475,11 +475,3 @@ def hello_info(topology: Topology, options: DistOptions) -> dict[str, object]:
     """What a worker tells each server when it connects (checked against the server's own view)."""
     return {"kind": options.kind, "num_workers": topology.num_workers, "num_servers": topology.num_servers,
             "pid": os.getpid(), "host": socket.gethostname()}  # fmt: skip
-
-
-def run_server(topology: Topology | None = None, options: DistOptions | None = None) -> int:
-    """Run this process as a kvstore server (topology and options from the environment by default)."""
-    topology = topology or Topology.from_env()
-    options = options or DistOptions.from_env("dist_sync")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return Server(topology, options).serve()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -11,6 +12,8 @@ import tandem.kvstore as kvstore
 from tandem.kvstore import KVStoreError, RemoteError
 from tandem.kvstore.ps.protocol import Command
 
+if kvstore.is_server():  # a server of the job: serve until it ends
+    sys.exit(kvstore.serve("dist_sync"))
 kv = kvstore.create("dist_sync")
 rank, workers = kv.rank, kv.num_workers
 total = workers * (workers + 1) / 2  # every worker pushes rank + 1

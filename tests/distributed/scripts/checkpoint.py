@@ -11,6 +11,8 @@ import tandem.kvstore as kvstore
 from tandem.optim import AdamW
 
 phase, directory = sys.argv[1], Path(sys.argv[2])
+if kvstore.is_server():  # a server of the job: serve until it ends
+    sys.exit(kvstore.serve("dist_sync"))
 kv = kvstore.create("dist_sync")
 rank = kv.rank
 

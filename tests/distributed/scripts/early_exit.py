@@ -13,6 +13,8 @@ import tandem.kvstore as kvstore
 from tandem.kvstore import KVStoreError
 
 mode = sys.argv[1]
+if kvstore.is_server():  # a server of the job: serve until it ends
+    sys.exit(kvstore.serve("dist_sync"))
 kv = kvstore.create("dist_sync")
 kv.init("w", torch.zeros(10))
 out = torch.empty(10)

@@ -30,6 +30,8 @@ targets = torch.randn(32, 4, dtype=torch.float64, generator=generator)
 optimizer = SGD(lr=0.1, momentum=0.9, weight_decay=1e-3)
 steps = 10
 
+if kvstore.is_server():  # a server of the job: serve until it ends
+    sys.exit(kvstore.serve("dist_sync"))
 kv = kvstore.create("dist_sync")
 model = make_model()
 names = [name for name, _ in model.named_parameters()]

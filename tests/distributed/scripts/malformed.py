@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import torch
 import zmq
@@ -14,6 +15,8 @@ import zmq
 import tandem.kvstore as kvstore
 from tandem.kvstore.ps.protocol import Command, Header, Role, encode_header
 
+if kvstore.is_server():  # a server of the job: serve until it ends
+    sys.exit(kvstore.serve("dist_sync"))
 kv = kvstore.create("dist_sync")
 kv.init("w", torch.zeros(10))
 secret = os.environ["TANDEM_PS_SECRET"].encode()

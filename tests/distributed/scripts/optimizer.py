@@ -10,6 +10,8 @@ import tandem.kvstore as kvstore
 from tandem.optim import SGD, AdamW
 
 kind = sys.argv[1]
+if kvstore.is_server():  # a server of the job: serve until it ends
+    sys.exit(kvstore.serve(kind))
 kv = kvstore.create(kind)
 rank, workers = kv.rank, kv.num_workers
 start = torch.linspace(0, 1, 1000)  # split over the servers: TANDEM_KVSTORE_BIGARRAY_BOUND=100

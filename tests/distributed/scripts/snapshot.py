@@ -7,12 +7,16 @@ could leave with part old and part new values; every pulled array must hold one 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 import tandem.kvstore as kvstore
 from tandem.optim import SGD
 
 NUMEL = 4_000_000  # 16 MB: a reply takes long enough on the wire for a push to land meanwhile
+if kvstore.is_server():  # a server of the job: serve until it ends
+    sys.exit(kvstore.serve("dist_async"))
 kv = kvstore.create("dist_async")
 rank = kv.rank
 kv.set_optimizer(SGD(lr=1.0))

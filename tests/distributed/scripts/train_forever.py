@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -10,6 +11,8 @@ import torch
 import tandem.kvstore as kvstore
 
 print(f"{os.environ['TANDEM_ROLE']} {os.environ['TANDEM_RANK']} pid {os.getpid()}", flush=True)
+if kvstore.is_server():  # a server of the job: serve until it ends
+    sys.exit(kvstore.serve("dist_sync"))
 kv = kvstore.create("dist_sync")
 kv.init(["a", "b", "c"], [torch.zeros(100)] * 3)  # three keys: every server holds one (for 2-3 servers)
 outs = [torch.empty(100) for _ in range(3)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import tandem
-from tandem import models, optim
+from tandem import kvstore, models, optim
 
 kind, mode, update_on_kvstore, out, steps, model_name = sys.argv[1:7]
 mode, _, timing = mode.partition("-")
@@ -23,6 +23,8 @@ torch.manual_seed(0)
 entry = models.ZOO[model_name]
 module = entry.build(**entry.tiny).double()
 batch = entry.make_batch(8, torch.Generator().manual_seed(1), dtype=torch.float64, **entry.tiny)
+if kvstore.is_server():  # a server of the job: serve until it ends
+    sys.exit(kvstore.serve(kind))
 trainer = tandem.Trainer(module, entry.loss_fn, optim.SGD(lr=0.1, momentum=0.9), kvstore=kind, communication=mode,
                          update_on_kvstore=update_on_kvstore == "1", bulk_fwd=3, bulk_bwd=2)
 if timing == "auto":
