@@ -1,6 +1,6 @@
 """P3 vs overlap vs baseline vs DDP: training throughput over a real bandwidth-limited network.
 
-Each process runs in its own network namespace (``tandem.testing.netns``) whose NIC is shaped to
+Each process runs in its own network namespace (``tandem.netns``) whose NIC is shaped to
 the link rate in both directions, as on a cluster; 2 workers and 2 servers, one torch thread each.
 Modes (``Trainer(kvstore=..., communication=...)``):
 - baseline: backward, then push every gradient, then pull every parameter (dist_sync);
@@ -194,7 +194,7 @@ def run_tandem(
 
 
 def run_ddp(model: str, rate: str, runs: int, steps: int) -> float:
-    from tandem.testing import netns
+    from tandem import netns
 
     with netns.Network(num_hosts=WORKERS, rate=None if rate == "none" else rate) as net:
         master, port = net.hosts[0].address, 29_731
@@ -229,7 +229,7 @@ def _chose(tuned: list[Any] | None) -> str:
 
 
 def _rate_bits(rate: str) -> float | None:
-    from tandem.testing.netns import parse_rate
+    from tandem.netns import parse_rate
 
     return None if rate == "none" else float(parse_rate(rate))
 
@@ -237,7 +237,7 @@ def _rate_bits(rate: str) -> float | None:
 def main_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from tandem.testing import netns
+    from tandem import netns
 
     available, reason = netns.available()
     if not available:

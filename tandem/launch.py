@@ -238,7 +238,7 @@ def _network(args: argparse.Namespace) -> Any:
     """The namespaces of --netns-rate, one host per process (servers first), or None without it."""
     if args.netns_rate is None:
         return None
-    from tandem.testing import netns
+    from tandem import netns  # imported only where namespaces are asked for
 
     try:
         return netns.Network(args.num_servers + args.num_workers, rate=None if args.netns_rate == "none" else args.netns_rate)

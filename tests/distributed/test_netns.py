@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tandem.testing import netns
+from tandem import netns
 
 pytestmark = pytest.mark.skipif(
     not netns.available()[0], reason=f"no network namespaces: {netns.available()[1]}"
@@ -58,7 +58,7 @@ def test_nothing_left_after_exit_or_exception() -> None:
 
 CHILD = """
 import sys, time
-from tandem.testing import netns
+from tandem import netns
 net = netns.Network(num_hosts=2, rate="10mbit")
 print("up", flush=True)
 time.sleep(60)

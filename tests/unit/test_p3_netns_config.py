@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.testing import netns
+from tandem import netns
 
 
 @pytest.mark.parametrize(("text", "bits"), [("100mbit", 100_000_000), ("1gbit", 1_000_000_000),

@@ -20,6 +20,8 @@ removes leftovers of dead processes when it starts, and an atexit/SIGTERM hook c
 
 Without root, ``ip`` or ``tc`` (see ``available()``) a network falls back to loopback: every host
 is 127.0.0.1, ``command`` is unchanged, ``shaped`` is False, and a warning says so.
+
+Used by ``tandem launch --netns-rate``, the benchmarks and the tests.
 """
 
 from __future__ import annotations
@@ -207,7 +209,7 @@ class Network:
         ok, reason = available()
         if not ok:
             warnings.warn(
-                f"tandem.testing.netns: {reason}; falling back to loopback without shaping", stacklevel=2
+                f"tandem.netns: {reason}; falling back to loopback without shaping", stacklevel=2
             )
             self.hosts = [Host(index, "127.0.0.1", None) for index in range(self.num_hosts)]
             return
