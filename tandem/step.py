@@ -1,7 +1,7 @@
 """tandem.compile: capture a module's training step once, then run it as a planned graph.
 
     step = tandem.compile(model, loss_fn, x, y)
-    result = step(x, y)          # result.loss, result.grads["fc.weight"], BN stats written back
+    result = step(x, y)          # result.loss, result.grads["head.weight"], BN stats written back
     step.memory_report()         # measured peak bytes of live intermediates, saved bytes, ...
 """
 
@@ -88,7 +88,7 @@ class StepResult:
     Example:
         ```python
         result = step(x, y)
-        result.loss.item(), result.grads["fc.weight"].shape
+        result.loss.item(), result.grads["head.weight"].shape     # a zoo ResNet's last layer
         ```
     """
 
@@ -284,7 +284,7 @@ def compile(module: nn.Module, loss_fn: LossFn, *example_batch: Any, **options: 
         loss_fn = lambda module, x, y: F.cross_entropy(module(x), y)
         x, y = next(iter(data.batches(data.digits("train"), 64)))
         step = tandem.compile(model, loss_fn, x, y, mirror="memory-aware")
-        result = step(x, y)              # result.loss, result.grads["fc.weight"]
+        result = step(x, y)              # result.loss, result.grads["head.weight"]
         ```
     """
     config = StepConfig.from_options(options)
