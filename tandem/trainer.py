@@ -160,6 +160,7 @@ class Trainer:
 
     @property
     def num_workers(self) -> int:
+        """The number of workers of the distributed job (1 when training alone)."""
         return self._update.num_workers
 
     @property
@@ -169,6 +170,7 @@ class Trainer:
 
     @property
     def train_step(self) -> TrainStep:
+        """The captured training step (after the first ``step``): ``trainer.train_step.memory_report()``."""
         if self._train_step is None:
             raise RuntimeError("the step is captured on the first Trainer.step(*batch); call it first")
         return self._train_step
