@@ -89,7 +89,7 @@ def main() -> None:
         inputs = captured.inputs(module, batch)
         candidates, counts = {}, {}
         for setting, forward, backward in settings():
-            executor = Executor(plan(captured.clone(), StepConfig(bulk_fwd=forward, bulk_bwd=backward)))
+            executor = Executor(plan(captured.clone(), StepConfig(bulk_fwd=forward, bulk_bwd=backward).plan))
             candidates[setting] = partial(executor.run, inputs)
             counts[setting] = len(executor.segments)
         gc.collect()

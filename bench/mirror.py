@@ -142,7 +142,7 @@ def tandem_columns(module: nn.Module, loss_fn: Callable[..., torch.Tensor], batc
     buffers = {n: b.clone() for n, b in module.named_buffers(remove_duplicate=False)}  # stats are never written back
     columns = []
     for policy in tqdm(policies, desc="  tandem plans", leave=False):
-        graph = plan(captured.clone(), StepConfig(mirror=policy))
+        graph = plan(captured.clone(), StepConfig(mirror=policy).plan)
         executor = Executor(graph)
         inputs = [params[n] for n in graph.param_names] + [buffers[n] for n in graph.buffer_names] + list(batch)
         _, measured = executor.run_measured(inputs)

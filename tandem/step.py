@@ -20,7 +20,8 @@ from tandem.executor import NO_HOOKS, Executor, GradientHook, MemoryStats, StepH
 from tandem.graph.batch import BatchLayout
 from tandem.graph.capture import LossFn, capture, capture_inference
 from tandem.graph.train_graph import TrainGraph
-from tandem.passes.manager import plan
+from tandem.passes.config import PlanConfig
+from tandem.passes.manager import plan as plan_graph
 
 log = logging.getLogger("tandem")
 
@@ -56,6 +57,7 @@ class StepConfig:
     max_captures: int = 8  # graphs kept per step before the oldest is dropped
     measure_memory: bool = False  # measure every step (the first step is always measured)
     checkpoint_regions: bool = True  # recompute what the model wraps in torch.utils.checkpoint (False: ignore)
+    plan: PlanConfig = field(init=False, repr=False)  # what the passes read: the options above with the knobs resolved
 
     def __post_init__(self) -> None:
         for name in ("bulk_fwd", "bulk_bwd"):
@@ -66,10 +68,16 @@ class StepConfig:
             raise TypeError(f"checkpoint_regions must be True or False, got {self.checkpoint_regions!r}")
         if self.max_captures < 1:
             raise ValueError(f"max_captures must be >= 1, got {self.max_captures}")
+        # resolved once, here: a bad mirror= is refused at tandem.compile / Trainer(...), and no pass reads the env
+        self.plan = PlanConfig.resolve(self.mirror, self.bulk, self.bulk_fwd, self.bulk_bwd, self.checkpoint_regions)
+
+    def options(self) -> dict[str, Any]:
+        """The options this config was made from (what ``from_options`` takes)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     @staticmethod
     def from_options(options: dict[str, Any]) -> StepConfig:
-        known = {f.name for f in fields(StepConfig)}
+        known = {f.name for f in fields(StepConfig) if f.init}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown option(s) {unknown}; valid options: {sorted(known)}")
@@ -211,7 +219,7 @@ class TrainStep:
         return self._capture(batch, key)
 
     def _capture(self, batch: Sequence[Any], key: BatchLayout) -> _Compiled:
-        graph = plan(self._trace(batch), self.config)
+        graph = plan_graph(self._trace(batch), self.config.plan)
         executor = Executor(graph)
         executor.hooks = self._hooks
         compiled = self._compiled[key] = _Compiled(graph, executor)

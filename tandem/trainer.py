@@ -53,6 +53,13 @@ class TrainerConfig:
     gradient_compression: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        from tandem.kvstore.kinds import KINDS
+        from tandem.update import MODES
+
+        if self.kvstore is not None and self.kvstore not in KINDS:
+            raise ValueError(f"unknown kvstore {self.kvstore!r}; choose one of {list(KINDS)} (or None: local)")
+        if self.communication not in ("auto", *MODES):
+            raise ValueError(f"unknown communication {self.communication!r}; choose one of {['auto', *MODES]}")
         if GradientCompression.parse(self.gradient_compression).enabled and self.kvstore in (None, "local"):
             raise ValueError(f"gradient_compression={self.gradient_compression!r} needs a distributed kvstore "
                              f"(kvstore='dist_p3' under tandem launch); training alone sends no gradients")  # fmt: skip
@@ -63,7 +70,7 @@ class TrainerConfig:
 
     @staticmethod
     def from_options(options: dict[str, Any]) -> TrainerConfig:
-        step_names = {f.name for f in fields(StepConfig)}
+        step_names = {f.name for f in fields(StepConfig) if f.init}
         own = {f.name for f in fields(TrainerConfig)} - {"step"}
         unknown = sorted(set(options) - step_names - own)
         if unknown:
@@ -150,7 +157,7 @@ class Trainer:
 
     def _compiled(self, batch: tuple[Any, ...]) -> TrainStep:
         if self._train_step is None:
-            self._train_step = compile_step(self.module, self.loss_fn, *batch, **vars(self.config.step))
+            self._train_step = compile_step(self.module, self.loss_fn, *batch, **self.config.step.options())
         return self._train_step
 
     @property
@@ -250,7 +257,7 @@ class Trainer:
         for item in self._batches(data, train=False):
             batch = as_arguments(item)
             if self._eval_step is None:
-                self._eval_step = compile_eval(self.module, self.loss_fn, *batch, **vars(self.config.step))
+                self._eval_step = compile_eval(self.module, self.loss_fn, *batch, **self.config.step.options())
             result = self._eval_step(*batch)
             loss_sum += float(result.loss)
             batches += 1

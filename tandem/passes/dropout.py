@@ -19,14 +19,14 @@ import torch.fx as fx
 
 from tandem.graph import cost
 from tandem.graph.train_graph import TrainGraph
-from tandem.passes.mirror import MirrorPolicy
+from tandem.passes.config import PlanConfig
 
 aten = torch.ops.aten
 
 
-def dropout_pass(graph: TrainGraph, config: Any) -> TrainGraph:
+def dropout_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
     """Rewrite training ``native_dropout`` into eager's noise form when the mirror policy is off."""
-    if MirrorPolicy.parse(getattr(config, "mirror", None)).name != "off":
+    if config.mirror.name != "off":
         return graph
     for node in [n for n in graph.op_nodes() if n.target is aten.native_dropout.default]:
         _to_noise_form(graph, node)

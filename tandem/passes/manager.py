@@ -7,12 +7,12 @@ invalid graph, the error names it and the passes that ran before it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from tandem.errors import PassError
 from tandem.graph.train_graph import TrainGraph
+from tandem.passes.config import PlanConfig
 
-Pass = Callable[[TrainGraph, Any], TrainGraph]
+Pass = Callable[[TrainGraph, PlanConfig], TrainGraph]
 
 
 def lint(graph: TrainGraph) -> None:
@@ -26,7 +26,7 @@ def lint(graph: TrainGraph) -> None:
             raise PassError(f"output {node.name} belongs to another graph")
 
 
-def run_passes(graph: TrainGraph, passes: list[tuple[str, Pass]], config: Any) -> TrainGraph:
+def run_passes(graph: TrainGraph, passes: list[tuple[str, Pass]], config: PlanConfig) -> TrainGraph:
     done: list[str] = []
     for name, function in passes:
         try:
@@ -40,7 +40,7 @@ def run_passes(graph: TrainGraph, passes: list[tuple[str, Pass]], config: Any) -
     return graph
 
 
-def default_passes(config: Any) -> list[tuple[str, Pass]]:
+def default_passes(config: PlanConfig) -> list[tuple[str, Pass]]:
     """The planning pipeline, in order. Each pass reads only its own part of the config.
 
     Dropout's form is chosen first (it depends only on the mirror policy); segments come last:
@@ -53,5 +53,5 @@ def default_passes(config: Any) -> list[tuple[str, Pass]]:
     return [("dropout", dropout_pass), ("mirror", mirror_pass), ("segments", segments_pass)]
 
 
-def plan(graph: TrainGraph, config: Any) -> TrainGraph:
+def plan(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
     return run_passes(graph, default_passes(config), config)

@@ -18,15 +18,14 @@ to ``graph.notes["memory"]`` (and from there into ``TrainStep.memory_report()``)
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 
-from tandem.env import knob
 from tandem.graph.train_graph import TrainGraph
 from tandem.passes import mirror_select as select
+from tandem.passes.config import MirrorPolicy, PlanConfig
 from tandem.passes.mirror_graph import ForwardView
 from tandem.passes.mirror_rewrite import (
     Share,
@@ -39,58 +38,6 @@ from tandem.passes.mirror_rewrite import (
 
 log = logging.getLogger("tandem")
 
-NAMED_POLICIES = ("off", "all", "sqrt", "memory-aware")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
-
-
-@dataclass(frozen=True)
-class MirrorPolicy:
-    """A parsed ``mirror=`` option: a named policy, or a budget (fraction of off's peak, or bytes)."""
-
-    name: str  # one of NAMED_POLICIES, or "budget"
-    fraction: float | None = None
-    budget_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.name not in (*NAMED_POLICIES, "budget"):
-            raise ValueError(f"unknown mirroring policy {self.name!r}; {_HELP}")
-        if self.name == "budget" and (self.fraction is None) == (self.budget_bytes is None):
-            raise ValueError("a budget policy needs exactly one of fraction or budget_bytes")
-        if self.fraction is not None and not 0 < self.fraction <= 1:
-            raise ValueError(f"mirror={self.fraction}: a fractional budget must lie in (0, 1]; {_HELP}")
-        if self.budget_bytes is not None and self.budget_bytes <= 0:
-            raise ValueError(f"mirror budget must be a positive number of bytes, got {self.budget_bytes}")
-
-    @staticmethod
-    def parse(value: str | float | None) -> MirrorPolicy:
-        """None -> TANDEM_MIRROR (default "off"); explicit values beat the env knob."""
-        if value is None:
-            value = knob("TANDEM_MIRROR")
-        if isinstance(value, bool) or not isinstance(value, str | int | float):
-            raise TypeError(f"mirror={value!r} has type {type(value).__name__}; {_HELP}")
-        if isinstance(value, int | float):
-            return MirrorPolicy("budget", fraction=float(value))
-        text = value.strip().lower()
-        if text in NAMED_POLICIES:
-            return MirrorPolicy(text)
-        if text in ("", "none", "0", "false"):
-            return MirrorPolicy("off")
-        match = _BYTES.match(text)
-        if match is None or match.group(2) not in _UNITS:
-            raise ValueError(f"mirror={value!r} is not a mirroring policy; {_HELP}")
-        number, unit = float(match.group(1)), match.group(2)
-        if not unit and number <= 1:
-            return MirrorPolicy("budget", fraction=number)
-        return MirrorPolicy("budget", budget_bytes=int(number * _UNITS[unit]))
-
-    def __str__(self) -> str:
-        if self.name != "budget":
-            return self.name
-        return f"budget {self.fraction:g} of off" if self.fraction is not None else f"budget {self.budget_bytes} bytes"
-
-
-_HELP = "use 'off', 'all', 'sqrt', 'memory-aware', a fraction of the unmirrored peak like 0.4, or bytes like '300MB'"
 
 
 @dataclass
@@ -103,13 +50,13 @@ class Plan:
     memory: SimulatedMemory
 
 
-def mirror_pass(graph: TrainGraph, config: Any) -> TrainGraph:
+def mirror_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
     """Plan recomputation for ``config.mirror``; returns a new graph (the input is not changed).
 
     Checkpoint regions the capture marked are recomputed whatever the policy (the user asked for
     it); the policy plans the rest. "off" then means: nothing beyond the regions.
     """
-    policy = MirrorPolicy.parse(getattr(config, "mirror", None))
+    policy = config.mirror
     view = ForwardView(graph)
     regions = select.checkpointed(view)
     base = build(graph, regions, share_all) if regions else Plan(graph, set(), 0, simulate(graph))

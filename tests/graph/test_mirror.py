@@ -54,7 +54,7 @@ def case(name: str) -> Case:
 
 def planned_run(name: str, policy: object) -> tuple[TrainGraph, list[torch.Tensor], int]:
     """Plan the captured step for ``policy`` and run it once: (graph, outputs, measured peak)."""
-    graph = plan(case(name).graph.clone(), StepConfig(mirror=policy))  # type: ignore[arg-type]
+    graph = plan(case(name).graph.clone(), StepConfig(mirror=policy).plan)
     torch.manual_seed(3)  # same seed for every policy: dropout draws the same masks
     outputs, memory = Executor(graph).run_measured(case(name).inputs)
     return graph, outputs, memory.peak_bytes

@@ -286,3 +286,15 @@ def test_cli_trains_a_transformers_lm_on_python_help_text(tmp_path: Path) -> Non
         assert record["eval_perplexity"] == pytest.approx(math.exp(record["eval_loss"]))
     assert history[1]["eval_perplexity"] < history[0]["eval_perplexity"] < 256
     assert (tmp_path / "training.png").stat().st_size > 0
+
+
+def test_bad_options_are_refused_at_construction_with_the_valid_set() -> None:
+    module, loss = torch.nn.Linear(2, 1), (lambda m, x: m(x).sum())
+    with pytest.raises(ValueError, match=r"unknown kvstore 'foo'; choose one of \['local', 'dist_sync'"):
+        tandem.Trainer(module, loss, optim.SGD(lr=0.1), kvstore="foo")
+    with pytest.raises(ValueError, match=r"unknown communication 'fast'; choose one of \['auto', 'baseline'"):
+        tandem.Trainer(module, loss, optim.SGD(lr=0.1), communication="fast")
+    with pytest.raises(ValueError, match=r"mirror='bogus' is not a mirroring policy; use 'off', 'all'"):
+        tandem.Trainer(module, loss, optim.SGD(lr=0.1), mirror="bogus")  # before any step, not inside a pass
+    with pytest.raises(ValueError, match="bogus"):
+        tandem.compile(module, loss, torch.ones(1, 2), mirror="bogus")
