@@ -397,7 +397,7 @@ def _to_train_graph(graph_module: Any, signature: Any, layout: BatchLayout, alia
     )
     train_graph.aliases = {other: first for first, names in aliases.items() for other in names[1:]}
     _merge_tied_gradients(train_graph, aliases)
-    _drop_detach(graph)
+    _drop_trace_only(graph)
     _record_module_paths(graph)
     train_graph.set_outputs()
     graph.eliminate_dead_code()
@@ -478,11 +478,20 @@ def _strip(name: str) -> str:
     return name.removeprefix(_PREFIX)
 
 
-def _drop_detach(graph: fx.Graph) -> None:
-    # detach only matters to autograd, which the captured graph no longer uses.
+_TRACE_TIME_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)  # dtype/shape checks the trace already passed
+
+
+def _drop_trace_only(graph: fx.Graph) -> None:
+    """Drop what only served tracing: detach (autograd's business, which the graph no longer uses) and
+    metadata asserts (``.to(dtype)`` in T5 leaves them; having no output they would sit at the start of
+    backward and keep the values they check alive, checkpoint regions' included)."""
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.detach.default:
             node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+        elif node.target in _TRACE_TIME_CHECKS and not node.users:
             graph.erase_node(node)
 
 

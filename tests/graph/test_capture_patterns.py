@@ -262,3 +262,24 @@ def test_a_checkpointed_function_calling_several_modules_is_one_region() -> None
     assert tanh and all(MetaKey.CHECKPOINT in n.meta for n in tanh), "the op between the two modules is in the region"
     recomputed = {n.meta[MetaKey.RECOMPUTE_OF] for n in graph.op_nodes() if MetaKey.RECOMPUTE_OF in n.meta}
     assert {n.name for n in tanh} <= recomputed, "values between the modules are recomputed, not kept"
+
+
+class _Casting(nn.Module):
+    """Like T5's layers: ``.to(dtype)`` leaves a metadata assert in the exported graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda h: self.proj(h.to(torch.float32)).tanh(), x, use_reentrant=False)
+
+
+def test_trace_time_checks_are_dropped() -> None:
+    torch.manual_seed(0)
+    module = _Casting()
+    x = torch.randn(4, 8, dtype=torch.float16)
+    loss_fn = lambda m, x: m(x).pow(2).sum()  # noqa: E731
+    step = tandem.compile(module, loss_fn, x)
+    assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in step.graph.op_nodes())
+    assert_same_step(step(x), *eager_step(twin(module), loss_fn, (x,)), rtol=1e-4, atol=1e-5)
