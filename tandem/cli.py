@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 DATASETS = ("digits", "synthetic-images", "synthetic-tokens", "pydoc-text")
-MODELS = ("mlp", "resnet", "vgg", "lstm_lm", "gpt", "hf-gpt2", "hf-llama")
 TEXT_DATA = ("pydoc-text",)  # dict batches whose labels the model shifts itself: no accuracy to report
 TOKEN_DATA = ("synthetic-tokens", *TEXT_DATA)  # language modelling: perplexity = exp(mean token loss)
 
@@ -140,7 +139,7 @@ def train(args: argparse.Namespace) -> int:
     train_set, test_set = _datasets(args, config)
     train_set, test_set = _first(train_set, args.max_train_samples), _first(test_set, args.max_eval_samples)
     split = "validation" if args.data in TEXT_DATA else "test"
-    workers = knob("TANDEM_NUM_WORKERS") if args.kvstore not in (None, "local") else 1
+    workers = _job_workers(args.kvstore)
     if args.batch_size % workers:
         raise SystemExit(f"--batch-size {args.batch_size} is the global batch: it must divide by the {workers} workers")
     options: dict[str, Any] = {"batch_size": args.batch_size // workers, "seed": args.seed,
@@ -225,6 +224,22 @@ def _plot_history(history: list[dict[str, float]], path: Path, title: str, split
     return path
 
 
+def _job_workers(kind: str | None) -> int:
+    """Workers of the job this process belongs to: 1 alone; under `tandem launch` or torchrun the
+    topology the launcher put in the environment (torchrun's WORLD_SIZE less the servers)."""
+    if kind in (None, "local"):
+        return 1
+    from tandem.kvstore.ps.topology import Topology
+
+    return Topology.from_env().num_workers
+
+
+def _models() -> tuple[str, ...]:
+    from tandem.models import LIBRARY, ZOO
+
+    return (*ZOO, *LIBRARY)
+
+
 def _split_pair(item: str, flag: str) -> tuple[str, str]:
     if "=" not in item:
         raise SystemExit(f"{flag} takes KEY=VALUE, got {item!r}")
@@ -239,52 +254,63 @@ def _mirror(text: str) -> str | float:
         return text
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default; descriptions keep their line breaks."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("train", help="train a zoo model on a data set, with a progress bar")
-    p.add_argument("--model", default="resnet", choices=MODELS,
+    from tandem import launch
+    from tandem.kvstore.kinds import KINDS
+    from tandem.update import MODES
+
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__, formatter_class=_HelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,launch}")
+    p = commands.add_parser("train", help="train a model on a data set, with a progress bar",
+                            description="Train a zoo or library model on a data set: progress bar, per-epoch "
+                                        "evaluation, a plot and history.json in --out.", formatter_class=_HelpFormatter)
+    p.add_argument("--model", default="resnet", choices=_models(),
                    help="a zoo model, or hf-gpt2 / hf-llama: transformers causal LMs (pip install -e .[models])")
-    p.add_argument("--data", default="digits", choices=DATASETS)
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--data", default="digits", choices=DATASETS,
+                   help="images: digits, synthetic-images; tokens: synthetic-tokens; text: pydoc-text")
+    p.add_argument("--epochs", type=int, default=5, help="passes over the training data")
     p.add_argument("--batch-size", type=int, default=64, help="global batch (split over the workers)")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw", "lamb"])
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
-    p.add_argument("--clip-grad-norm", type=float, default=None)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw", "lamb"], help="the update rule (tandem.optim)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay of the optimizer")
+    p.add_argument("--clip-grad-norm", type=float, default=None, help="clip the global gradient norm to this (off when unset)")
     p.add_argument("--mirror", type=_mirror, default=None,
-                   help="off | all | sqrt | memory-aware | a fraction of peak (0.4) | a size ('300MB')")
-    p.add_argument("--bulk-fwd", type=int, default=None, help="forward segment cap (op nodes)")
-    p.add_argument("--bulk-bwd", type=int, default=None, help="backward segment cap (op nodes)")
-    p.add_argument("--kvstore", default=None, help="local | dist_sync | dist_async | dist_p3 | dist_p3_async (under tandem launch)")
-    p.add_argument("--communication", default=None, choices=["auto", "baseline", "overlap", "p3"],
+                   help="backward mirroring: off | all | sqrt | memory-aware | a fraction of peak (0.4) | a size "
+                        "('300MB'); unset: TANDEM_MIRROR")
+    p.add_argument("--bulk-fwd", type=int, default=None, help="forward segment cap in op nodes (unset: TANDEM_BULK_*)")
+    p.add_argument("--bulk-bwd", type=int, default=None, help="backward segment cap in op nodes (unset: TANDEM_BULK_*)")
+    p.add_argument("--kvstore", default=None, choices=KINDS,
+                   help="local, or a distributed store under tandem launch / torchrun (unset: local)")
+    p.add_argument("--communication", default=None, choices=["auto", *MODES],
                    help="how gradients travel with a distributed kvstore (auto: p3 on the P3 kinds, else overlap)")
     p.add_argument("--gradient-compression", default=None, metavar="KIND[:THRESHOLD]",
                    help="compress pushed gradients with a distributed kvstore: 2bit (threshold 0.5), 2bit:0.1, "
-                        "fp16 or bf16, with error feedback")
+                        "fp16 or bf16, with error feedback (off when unset)")
     p.add_argument("--update-on", default=None, choices=["servers", "workers"],
-                   help="with a distributed kvstore: where the optimizer runs (default: servers)")
+                   help="with a distributed kvstore: where the optimizer runs (unset: servers)")
     p.add_argument("--out", default="runs/latest", help="directory for history.json and the training plot")
     p.add_argument("--samples", type=int, default=4096, help="size of synthetic data sets")
     p.add_argument("--max-train-samples", type=int, default=None, metavar="N",
-                   help="train on the first N samples of the train split only (quick runs)")
+                   help="train on the first N samples of the train split only (all when unset)")
     p.add_argument("--max-eval-samples", type=int, default=None, metavar="N",
-                   help="evaluate on the first N samples of the test / validation split only")
-    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE", help="model constructor overrides")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    p.add_argument("--save", default=None, help="write a checkpoint here at the end")
-    p.add_argument("--no-progress", action="store_true")
+                   help="evaluate on the first N samples of the test / validation split only (all when unset)")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="model constructor overrides, repeatable")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights and the data order")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: TANDEM_NUM_THREADS, else all cores)")
+    p.add_argument("--save", default=None, help="write a checkpoint here at the end (none when unset)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=train)
-    try:
-        from tandem import launch
-    except ImportError:  # the launcher is optional for single-process use
-        launch = None  # type: ignore[assignment]
-    if launch is not None:
-        lp = commands.add_parser("launch", help="start servers and workers on this machine: tandem launch -n 2 -s 2 -- CMD")
-        launch.add_arguments(lp)
-        lp.set_defaults(handler=launch.run)
+    lp = commands.add_parser("launch", help="start servers and workers on this machine: tandem launch -n 2 -s 2 -- CMD",
+                             description="Start a parameter-server job on this machine: every process runs CMD "
+                                         "with its role in TANDEM_* variables.", formatter_class=_HelpFormatter)
+    launch.add_arguments(lp)
+    lp.set_defaults(handler=launch.run)
     return parser
 
 

@@ -44,15 +44,15 @@ class _Child:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tandem launch``; ``run`` takes the parsed namespace."""
-    parser.add_argument("-n", "--num-workers", type=int, required=True, help="worker processes")
-    parser.add_argument("-s", "--num-servers", type=int, default=1, help="server processes (default 1)")
+    parser.add_argument("-n", "--num-workers", type=int, required=True, help="worker processes (required)")
+    parser.add_argument("-s", "--num-servers", type=int, default=1, help="server processes")
     parser.add_argument(
         "--env", action="append", default=[], metavar="K=V", help="extra environment for every process"
     )
     parser.add_argument(
-        "--master-addr", default=None, help="address of the rendezvous store (TANDEM_MASTER_ADDR)"
+        "--master-addr", default=None, help="address of the rendezvous store (unset: TANDEM_MASTER_ADDR)"
     )
-    parser.add_argument("--master-port", type=int, default=0, help="its port; 0 picks a free one (default)")
+    parser.add_argument("--master-port", type=int, default=0, help="its port; 0 picks a free one")
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping"
     )
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--netns-rate", default=None, metavar="RATE",
         help="run every process in its own network namespace, its link shaped to RATE both ways (e.g. 100mbit; "
-        "'none': no shaping); needs root and iproute2, else falls back to loopback with a warning",
+        "'none': no shaping); needs root and iproute2, else falls back to loopback with a warning (unset: loopback)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every process runs")
 
