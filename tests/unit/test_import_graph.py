@@ -223,3 +223,12 @@ def test_the_checks_catch_a_cycle_and_an_upward_import() -> None:
     assert upward(edges) == [
         "tandem.executor -> tandem.trainer (executor.py:3): layer 'executor' imports the higher layer 'trainer'"
     ]
+
+
+def test_subpackages_are_attributes_after_import_tandem() -> None:
+    import subprocess
+    import sys
+
+    code = "import tandem; print(tandem.optim.SGD.__name__, tandem.kvstore.KVStore.__name__, tandem.data.batches.__name__)"
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert output.stdout.split() == ["SGD", "KVStore", "batches"]
