@@ -66,11 +66,10 @@ def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any], checkpoint
     """
     layout, tensors = _check_arguments(module, loss_fn, batch)
     wrapper = _LossModule(module, loss_fn, layout)
-    regions: list[Any] = []
     try:
-        graph_module, signature = _export(wrapper, tensors, [], regions)
+        graph_module, signature = _export(wrapper, tensors, [])
     except _UnusedParameter:  # rare: probe once which parameters no gradient reaches, export again
-        graph_module, signature = _export(wrapper, tensors, _unused_parameters(wrapper, tensors), regions)
+        graph_module, signature = _export(wrapper, tensors, _unused_parameters(wrapper, tensors))
     return _to_train_graph(graph_module, signature, layout, _alias_groups(module), checkpoint_regions=checkpoint_regions)
 
 
@@ -111,7 +110,7 @@ def capture_inference(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any]) 
     was_training = module.training
     module.eval()
     try:
-        with _tracing(wrapper, [], tensors) as stack:
+        with _tracing(wrapper, tensors) as stack:
             try:
                 graph_module, signature = aot_export_module(wrapper, tuple(tensors), trace_joint=False)
             except CaptureError:
@@ -148,11 +147,10 @@ def _check_arguments(module: Any, loss_fn: Any, batch: Sequence[Any]) -> tuple[B
 # -- export ------------------------------------------------------------------------------
 
 
-def _export(wrapper: _LossModule, tensors: Sequence[torch.Tensor], unused: list[str],
-            regions: list[Any]) -> tuple[Any, Any]:
+def _export(wrapper: _LossModule, tensors: Sequence[torch.Tensor], unused: list[str]) -> tuple[Any, Any]:
     from torch._functorch.aot_autograd import aot_export_module
 
-    with _tracing(wrapper, regions, tensors) as stack, _without_gradient(wrapper, unused):
+    with _tracing(wrapper, tensors) as stack, _without_gradient(wrapper, unused):
         try:
             return aot_export_module(wrapper, tuple(tensors), trace_joint=True, output_loss_index=0)
         except CaptureError:
@@ -200,7 +198,8 @@ def _without_gradient(root: nn.Module, names: list[str]) -> Iterator[None]:
         aliases_unused = sum(1 for p in unused.values() if p is parameter)
         if users[id(parameter)] > aliases_unused:
             owner_path, _, leaf = name.rpartition(".")
-            hidden.append((root.get_submodule(owner_path), leaf, dict(root.get_submodule(owner_path)._parameters)))
+            owner = root.get_submodule(owner_path)
+            hidden.append((owner, leaf, dict(owner._parameters)))
         elif parameter.requires_grad:
             frozen.append(parameter)
     for owner, leaf, _ in hidden:
@@ -230,11 +229,11 @@ def _compiling() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _tracing(root: nn.Module, regions: list[Any], tensors: Sequence[torch.Tensor]) -> Iterator[list[str]]:
+def _tracing(root: nn.Module, tensors: Sequence[torch.Tensor]) -> Iterator[list[str]]:
     """Everything a trace runs under: the compiling state, a fork of the RNG (tracing draws random
     numbers for dropout; the user's stream must not move), the module stack for error messages,
-    and the record of modules called inside checkpoint regions."""
-    with _compiling(), _forked_rng(tensors), _module_stack(root, regions) as stack:
+    and the marks of checkpoint regions."""
+    with _compiling(), _forked_rng(tensors), _module_stack(root) as stack:
         yield stack
 
 
@@ -246,11 +245,12 @@ def _forked_rng(tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextMa
 
 
 @contextlib.contextmanager
-def _module_stack(root: nn.Module, regions: list[Any]) -> Iterator[list[str]]:
+def _module_stack(root: nn.Module) -> Iterator[list[str]]:
     """Track which submodule is running, so capture errors can name its path; mark the inputs and
     outputs of each outermost module called inside a non-reentrant ``torch.utils.checkpoint``
-    region with ``tandem::checkpoint_mark`` ops (``regions``: the hook of each region seen, by index)."""
+    region with ``tandem::checkpoint_mark`` ops."""
     stack: list[str] = []
+    regions: list[Any] = []  # the saved-tensor hook of each region seen; its index names the region
     marked: list[tuple[nn.Module, int]] = []  # the outermost module of the region now running, its region
     handles = []
 
@@ -263,7 +263,7 @@ def _module_stack(root: nn.Module, regions: list[Any]) -> Iterator[list[str]]:
             # one region per checkpoint call: the modules a checkpointed function calls in turn share it
             index = next((i for i, seen in enumerate(regions) if seen is hook), len(regions))
             if index == len(regions):
-                regions.append(hook)  # held until capture ends, so no later region reuses its id
+                regions.append(hook)  # held until the trace ends, so no later region reuses its id
             marked.append((module, index))
             return _mark((args, kwargs), index, begin=True)
 
