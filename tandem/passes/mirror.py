@@ -59,7 +59,7 @@ def mirror_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
     policy = config.mirror
     view = ForwardView(graph)
     regions = select.checkpointed(view)
-    base = build(graph, regions, share_all) if regions else Plan(graph, set(), 0, simulate(graph))
+    base = build(graph, regions, share_all)  # no regions: the graph as it is
     notes: dict[str, Any] = {"policy": str(policy), "estimated_peak_bytes_off": base.memory.peak_bytes}
     if regions:
         notes["checkpointed"] = len(regions)
