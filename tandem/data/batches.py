@@ -18,6 +18,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 from tandem.data.rng import generator
 
 
+def shuffled_order(length: int, seed: int, epoch: int) -> Tensor:
+    """The sample order of a shuffled epoch: depends only on (seed, epoch), never on the global RNG."""
+    return torch.randperm(length, generator=generator(seed, epoch))
+
+
 class Batches:
     """Re-iterable batches of a TensorDataset; each iteration yields the same batches in the same order.
 
@@ -63,11 +68,7 @@ class Batches:
         return -(-self.num_samples // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
-        order = (
-            torch.randperm(self.num_samples, generator=generator(self.seed, self.epoch))
-            if self.shuffle
-            else None
-        )
+        order = shuffled_order(self.num_samples, self.seed, self.epoch) if self.shuffle else None
         for index in range(len(self)):
             start = index * self.batch_size
             end = min(start + self.batch_size, self.num_samples)
@@ -118,7 +119,7 @@ class Permutation(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         if not self.shuffle:
             return iter(range(self.length))
-        return iter(torch.randperm(self.length, generator=generator(self.seed, self.epoch)).tolist())
+        return iter(shuffled_order(self.length, self.seed, self.epoch).tolist())
 
 
 def loader(
