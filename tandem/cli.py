@@ -82,11 +82,9 @@ def _first(dataset: Any, count: int | None) -> Any:
     """The first ``count`` samples of ``dataset`` (all of them when ``count`` is None)."""
     if count is None or count >= len(dataset):
         return dataset
-    from torch.utils.data import Subset, TensorDataset
+    from tandem.data.shard import contiguous
 
-    if isinstance(dataset, TensorDataset):  # stays a TensorDataset: batched by slicing
-        return TensorDataset(*(tensor[:count] for tensor in dataset.tensors))
-    return Subset(dataset, range(count))
+    return contiguous(dataset, 0, count)
 
 
 def _with_perplexity(record: dict[str, float], data: str) -> dict[str, float]:

@@ -28,8 +28,13 @@ def shard(dataset: Dataset[Any], rank: int, world_size: int) -> Dataset[Any]:
         mine = tandem.data.shard(tandem.data.digits("train"), rank=0, world_size=2)   # 718 of 1437 samples
         ```
     """
-    if isinstance(dataset, TensorDataset):
-        start, end = shard_bounds(len(dataset.tensors[0]), rank, world_size)
-        return TensorDataset(*(tensor[start:end] for tensor in dataset.tensors))
     start, end = shard_bounds(len(dataset), rank, world_size)  # type: ignore[arg-type]
+    return contiguous(dataset, start, end)
+
+
+def contiguous(dataset: Dataset[Any], start: int, end: int) -> Dataset[Any]:
+    """Samples ``[start, end)`` of ``dataset``: a TensorDataset of views for a TensorDataset (still
+    batched by slicing), a ``Subset`` of anything else."""
+    if isinstance(dataset, TensorDataset):
+        return TensorDataset(*(tensor[start:end] for tensor in dataset.tensors))
     return Subset(dataset, range(start, end))
