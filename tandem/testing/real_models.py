@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tandem.models.library import LibraryEntry, model_loss
 from tandem.testing.torchvision_compat import ensure_importable
 
 VOCAB_SIZE = 96
@@ -72,12 +73,6 @@ class RealModel:
 
 
 # -- losses -------------------------------------------------------------------------------------
-
-
-def lm_loss(module: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """A transformers model's own loss: ``module(**batch).loss`` (labels in the batch)."""
-    loss: Tensor = module(**batch).loss
-    return loss
 
 
 def image_loss(module: nn.Module, images: Tensor, labels: Tensor) -> Tensor:
@@ -143,13 +138,7 @@ def image_batch(batch_size: int, generator: torch.Generator, dtype: torch.dtype 
 
 def _transformers(model_class: str, config_class: str, **config: Any) -> Callable[[], nn.Module]:
     """A factory of ``transformers.<model_class>(transformers.<config_class>(**config))``."""
-
-    def factory() -> nn.Module:
-        transformers = importlib.import_module("transformers")
-        model: nn.Module = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
-        return model
-
-    return factory
+    return LibraryEntry(model_class, "transformers", model_class, config_class, config).build
 
 
 def _timm(name: str, **overrides: Any) -> Callable[[], nn.Module]:
@@ -168,7 +157,7 @@ def _timm(name: str, **overrides: Any) -> Callable[[], nn.Module]:
 def _lm(name: str, model_class: str, config_class: str,
         batch: Callable[..., tuple[Any, ...]] = causal_lm_batch, **config: Any) -> RealModel:
     factory = _transformers(model_class, config_class, **config)
-    return RealModel(name, "transformers", "lm", factory, batch, lm_loss)
+    return RealModel(name, "transformers", "lm", factory, batch, model_loss)
 
 
 def _hf_vision(name: str, model_class: str, config_class: str, **config: Any) -> RealModel:
