@@ -47,9 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import bar_plot, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
+from tandem.kvstore.config import DistOptions  # noqa: E402
 from tandem.kvstore.ps.protocol import Command, Header, Role, decode_header, encode_header, tensor_bytes  # noqa: E402
 from tandem.kvstore.ps.server import hello_info  # noqa: E402
-from tandem.kvstore.ps.topology import DistOptions, Topology, server_addresses  # noqa: E402
+from tandem.kvstore.ps.topology import Topology, server_addresses  # noqa: E402
 from tandem.kvstore.ps.transport import ZERO_COPY_BYTES, payload_size  # noqa: E402
 from tandem.kvstore.ps.worker import DistKVStore  # noqa: E402
 

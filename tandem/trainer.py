@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 from tandem.graph.batch import as_arguments, batch_size_of
 from tandem.graph.capture import LossFn
 from tandem.kvstore.compression import GradientCompression
+from tandem.kvstore.config import KVStoreConfig
 from tandem.step import EvalStep, StepConfig, StepResult, TrainStep, compile_eval
 from tandem.step import compile as compile_step
 from tandem.update import DistributedUpdate, LocalUpdate, OptimizerApply, Update
@@ -45,22 +46,30 @@ class TrainerConfig:
     drop_last: bool = True  # keep one captured shape per epoch
     seed: int = 0  # data order and initial RNG of fit()
     progress: bool = True  # tqdm bars in fit()
-    kvstore: str | None = None  # None/"local" or "dist_sync", "dist_async", "dist_p3", "dist_p3_async"
+    kvstore: str | KVStoreConfig | None = None  # None/"local" or "dist_sync", "dist_async", "dist_p3", "dist_p3_async"
+    kvstore_options: dict[str, Any] | None = None  # the kind's kvstore.create options (heartbeat=, slice_size=, ...)
     update_on_kvstore: bool = True  # the servers run the optimizer (False: pushpull grads, update here)
     # "baseline", "overlap" or "p3" (auto: p3 on the P3 kinds, also under tandem launch --p3, else overlap)
     communication: str = "auto"
     # compress pushed gradients ({"type": "2bit", "threshold": 0.5}, "fp16", "bf16"; tandem.kvstore.compression)
     gradient_compression: str | dict[str, Any] | None = None
+    store: KVStoreConfig = field(init=False, repr=False)  # kvstore and kvstore_options resolved (TANDEM_* knobs too)
 
     def __post_init__(self) -> None:
         from tandem.kvstore.kinds import KINDS
         from tandem.update import MODES
 
-        if self.kvstore is not None and self.kvstore not in KINDS:
+        if isinstance(self.kvstore, KVStoreConfig):
+            if self.kvstore_options:
+                raise TypeError("pass kvstore options either in the KVStoreConfig or as kvstore_options, not both")
+            self.store = self.kvstore
+        elif self.kvstore is not None and self.kvstore not in KINDS:
             raise ValueError(f"unknown kvstore {self.kvstore!r}; choose one of {list(KINDS)} (or None: local)")
+        else:  # resolved once, here: a bad kvstore option is refused at Trainer(...), before the job is joined
+            self.store = KVStoreConfig.resolve(self.kvstore or "local", **(self.kvstore_options or {}))
         if self.communication not in ("auto", *MODES):
             raise ValueError(f"unknown communication {self.communication!r}; choose one of {['auto', *MODES]}")
-        if GradientCompression.parse(self.gradient_compression).enabled and self.kvstore in (None, "local"):
+        if GradientCompression.parse(self.gradient_compression).enabled and not self.store.distributed:
             raise ValueError(f"gradient_compression={self.gradient_compression!r} needs a distributed kvstore "
                              f"(kvstore='dist_p3' under tandem launch); training alone sends no gradients")  # fmt: skip
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -71,7 +80,7 @@ class TrainerConfig:
     @staticmethod
     def from_options(options: dict[str, Any]) -> TrainerConfig:
         step_names = {f.name for f in fields(StepConfig) if f.init}
-        own = {f.name for f in fields(TrainerConfig)} - {"step"}
+        own = {f.name for f in fields(TrainerConfig) if f.init} - {"step"}
         unknown = sorted(set(options) - step_names - own)
         if unknown:
             raise TypeError(f"unknown Trainer option(s) {unknown}; valid: {sorted(step_names | own)}")
@@ -91,7 +100,9 @@ class Trainer:
     - ``clip_grad_norm`` (None): clip the global gradient norm, in one fused op (not with a distributed kvstore);
     - ``progress`` (True): a progress bar in ``fit``;
     - ``kvstore`` (None): ``"local"``, or ``"dist_sync"``, ``"dist_async"``, ``"dist_p3"``, ``"dist_p3_async"``
-      to train data-parallel under ``tandem launch`` or torchrun;
+      to train data-parallel under ``tandem launch`` or torchrun (or a ``tandem.kvstore.KVStoreConfig``);
+    - ``kvstore_options`` (None): the kind's ``tandem.kvstore.create`` options, e.g. ``{"slice_size": "auto"}``;
+      checked here, at ``Trainer(...)``, naming the valid ones (unset ones take their TANDEM_* knobs);
     - ``update_on_kvstore`` (True): the servers run the optimizer; False: they sum gradients, each worker updates;
     - ``communication`` ("auto"): ``"baseline"``, ``"overlap"`` or ``"p3"`` (auto: p3 on the P3 kinds, else overlap);
     - ``gradient_compression`` (None): ``"fp16"``, ``"bf16"``, ``"2bit"`` or ``{"type": "2bit", "threshold": 0.5}``.
@@ -131,9 +142,9 @@ class Trainer:
 
     def _make_update(self, params: dict[str, nn.Parameter]) -> Update:
         config = self.config
-        if config.kvstore in (None, "local"):
+        if not config.store.distributed:
             return LocalUpdate(params, self._apply)
-        return DistributedUpdate.join(params, self._apply, self.optimizer, str(config.kvstore),
+        return DistributedUpdate.join(params, self._apply, self.optimizer, config.store,
                                       communication=config.communication, update_on_kvstore=config.update_on_kvstore,
                                       gradient_compression=config.gradient_compression,
                                       clip_grad_norm=config.clip_grad_norm)  # fmt: skip

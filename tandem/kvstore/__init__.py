@@ -11,18 +11,21 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.kvstore.base import Handle, KVStore
+from tandem.kvstore.config import DistOptions, KVStoreConfig, KVStoreOptionError, P3Options
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, ProtocolError, RemoteError
 from tandem.kvstore.kinds import DISTRIBUTED_KINDS, KINDS, P3_FOR, resolve_kind
 from tandem.kvstore.local import LocalKVStore
 
 
-def create(kind: str = "local", **options: Any) -> KVStore:
+def create(kind: str | KVStoreConfig = "local", **options: Any) -> KVStore:
     """A new store of ``kind``; distributed kinds join, as a worker, the job the environment describes.
 
     Options of distributed kinds (each defaults to its TANDEM_* knob): ``bigarray_bound``,
     ``heartbeat``, ``timeout``, ``secret``, ``bind_addr``, ``rendezvous_timeout``, ``exit_on_failure``;
     ``dist_p3``/``dist_p3_async`` also take ``slice_size`` (or "auto") and ``water_mark`` (docs/p3.md).
     With TANDEM_KVSTORE_P3=1 (``tandem launch --p3``) ``dist_sync``/``dist_async`` become P3 stores.
+    The kind and options are resolved into a ``KVStoreConfig`` (which ``kind`` may also be) and checked
+    before anything joins the job: a bad one raises ``ValueError`` / ``TypeError`` naming the valid ones.
 
     Example:
         ```python
@@ -36,16 +39,15 @@ def create(kind: str = "local", **options: Any) -> KVStore:
         ```
     A server process of the job is refused (KVStoreError): it runs ``serve(kind)`` instead.
     """
-    if kind == "local":
-        if options:
-            raise TypeError(f"the local kvstore takes no options, got {sorted(options)}")
+    config = KVStoreConfig.of(kind, **options)
+    if not config.distributed:
         return LocalKVStore()
     from tandem.kvstore.ps.job import connect  # imported late: zmq is only needed for distributed runs
 
-    return connect(_distributed(kind), **options)
+    return connect(config)
 
 
-def serve(kind: str = "dist_sync", **options: Any) -> int:
+def serve(kind: str | KVStoreConfig = "dist_sync", **options: Any) -> int:
     """The server role's entry point: run this server process of the job until the job ends.
 
     Returns the exit status (0: every worker said goodbye; 1: the job failed), never exits. Under
@@ -53,9 +55,12 @@ def serve(kind: str = "dist_sync", **options: Any) -> int:
     ``if tandem.kvstore.is_server(): sys.exit(tandem.kvstore.serve("dist_sync"))``. ``kind`` and the
     options are ``create``'s (P3 or not as there). The server logs to ``logging`` ("tandem.kvstore.server").
     """
+    config = KVStoreConfig.of(kind, **options)
+    if not config.distributed:
+        raise ValueError(f"only a distributed kvstore has servers; choose one of {DISTRIBUTED_KINDS}")
     from tandem.kvstore.ps.job import serve as serve_job
 
-    return serve_job(_distributed(kind), **options)
+    return serve_job(config)
 
 
 def is_server() -> bool:
@@ -66,12 +71,6 @@ def is_server() -> bool:
     return server_role()
 
 
-def _distributed(kind: str) -> str:
-    kind = resolve_kind(kind)
-    if kind not in DISTRIBUTED_KINDS:
-        raise ValueError(f"unknown kvstore kind {kind!r}; choose one of {KINDS}")
-    return kind
-
-
-__all__ = ["KINDS", "P3_FOR", "Handle", "KVStore", "KVStoreError", "KVStoreTimeout", "LocalKVStore", "PeerFailure",
-           "ProtocolError", "RemoteError", "create", "is_server", "resolve_kind", "serve"]  # fmt: skip
+__all__ = ["KINDS", "P3_FOR", "DistOptions", "Handle", "KVStore", "KVStoreConfig", "KVStoreError", "KVStoreOptionError",
+           "KVStoreTimeout", "LocalKVStore", "P3Options", "PeerFailure", "ProtocolError", "RemoteError", "create",
+           "is_server", "resolve_kind", "serve"]  # fmt: skip

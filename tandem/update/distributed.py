@@ -73,19 +73,21 @@ class DistributedUpdate(Update):
         self._in_backward = False  # the hook has reached this step's backward segments
 
     @classmethod
-    def join(cls, params: Mapping[str, torch.Tensor], apply: Apply, optimizer: Any, kind: str,
+    def join(cls, params: Mapping[str, torch.Tensor], apply: Apply, optimizer: Any, kind: str | kvstore.KVStoreConfig,
              communication: str = "auto", update_on_kvstore: bool = True,
              gradient_compression: str | dict[str, Any] | None = None,
              clip_grad_norm: float | None = None) -> DistributedUpdate:  # fmt: skip
-        """Join the parameter-server job the environment describes as a worker (``kvstore.create(kind)``)."""
-        mode = resolve_mode(communication, kvstore.resolve_kind(kind))
+        """Join the parameter-server job the environment describes as a worker (``kvstore.create(kind)``;
+        ``kind`` a kind or a resolved ``kvstore.KVStoreConfig``)."""
+        config = kvstore.KVStoreConfig.of(kind)
+        mode = resolve_mode(communication, config.kind)
         if update_on_kvstore and isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("update_on_kvstore=True runs the optimizer on the servers: pass a tandem.optim "
                             "optimizer, or update_on_kvstore=False to keep a torch.optim optimizer here")
         if clip_grad_norm is not None:
             raise ValueError("clip_grad_norm is not supported with a distributed kvstore yet: gradients leave "
                              "per layer, before a global norm exists; clip inside loss_fn or drop the option")
-        store = kvstore.create(kind)
+        store = kvstore.create(config)
         store.set_gradient_compression(gradient_compression)
         return cls(params, apply, store, mode, server_optimizer=optimizer if update_on_kvstore else None)
 

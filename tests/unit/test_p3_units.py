@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.kvstore.base import Handle
+from tandem.kvstore.config import P3Options
 from tandem.kvstore.errors import KVStoreError
-from tandem.kvstore.ps.p3 import P3Options
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue
 from tandem.kvstore.ps.p3_tuner import SEND_TIMINGS, SLICE_SIZES, WATER_MARKS, AutoTuner, Config
 from tandem.kvstore.ps.placement import RoundRobinPlacement

@@ -42,9 +42,10 @@ from typing import Any
 
 import zmq
 
+from tandem.kvstore.config import DistOptions
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, RemoteError
 from tandem.kvstore.ps.protocol import Command, Header, Message, Role
-from tandem.kvstore.ps.topology import DistOptions, ServerAddress
+from tandem.kvstore.ps.topology import ServerAddress
 from tandem.kvstore.ps.transport import Incoming, WorkerTransport
 
 log = logging.getLogger("tandem.kvstore.worker")

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.kvstore.config import DistOptions, KVStoreConfig, P3Options
 from tandem.kvstore.errors import KVStoreError
 from tandem.kvstore.kinds import DISTRIBUTED_KINDS
-from tandem.kvstore.ps.p3 import P3_KINDS, P3KVStore, P3Options, P3Server
+from tandem.kvstore.ps.p3 import P3KVStore, P3Server
 from tandem.kvstore.ps.server import Server
-from tandem.kvstore.ps.topology import DistOptions, Topology, set_torch_threads
+from tandem.kvstore.ps.topology import Topology, set_torch_threads
 from tandem.kvstore.ps.worker import DistKVStore
 
 
@@ -23,37 +24,36 @@ def is_server() -> bool:
         return False
 
 
-def connect(kind: str, **options: Any) -> DistKVStore:
-    """This worker's store of ``kind`` in the job; options as ``tandem.kvstore.create``'s. A server
-    process is refused: it runs ``serve`` instead."""
-    topology, settings, p3 = _join(kind, options)
+def connect(config: KVStoreConfig | str, **options: Any) -> DistKVStore:
+    """This worker's store in the job: ``config`` (a ``KVStoreConfig``, or a kind and the options of
+    ``tandem.kvstore.create``). A server process is refused: it runs ``serve`` instead."""
+    config = KVStoreConfig.of(config, **options)
+    topology, settings, p3 = _join(config)
     if topology.role == "server":
         raise KVStoreError(
             f"this process is {topology.name} of the job (TANDEM_ROLE=server, or a server rank under torchrun): "
-            f"a server runs `tandem.kvstore.serve({kind!r})`, not create(); start the script with `if "
-            f"tandem.kvstore.is_server(): sys.exit(tandem.kvstore.serve({kind!r}))` (tandem train does this)"
+            f"a server runs `tandem.kvstore.serve({config.kind!r})`, not create(); start the script with `if "
+            f"tandem.kvstore.is_server(): sys.exit(tandem.kvstore.serve({config.kind!r}))` (tandem train does this)"
         )
     return P3KVStore(topology, settings, p3) if p3 is not None else DistKVStore(topology, settings)
 
 
-def serve(kind: str, **options: Any) -> int:
+def serve(config: KVStoreConfig | str, **options: Any) -> int:
     """Run this server process's loop until the job ends; returns its exit status (0: every worker
-    said goodbye, 1: the job failed). Options as ``connect``'s (the workers' own are checked, unused)."""
-    topology, settings, p3 = _join(kind, options)
+    said goodbye, 1: the job failed). Config as ``connect``'s (the workers' own are checked, unused)."""
+    config = KVStoreConfig.of(config, **options)
+    topology, settings, p3 = _join(config)
     if topology.role != "server":
         raise KVStoreError(f"this process is {topology.name} of the job: only a server serves; "
-                           f"a worker joins with tandem.kvstore.create({kind!r})")  # fmt: skip
+                           f"a worker joins with tandem.kvstore.create({config.kind!r})")  # fmt: skip
     return (P3Server if p3 is not None else Server)(topology, settings).serve()
 
 
-def _join(kind: str, options: dict[str, Any]) -> tuple[Topology, DistOptions, P3Options | None]:
-    """The topology and settings of a job's store of ``kind``; P3's own options for the P3 kinds."""
-    if kind not in DISTRIBUTED_KINDS:
-        raise KVStoreError(f"unknown distributed kvstore kind {kind!r}; choose one of {DISTRIBUTED_KINDS}")
-    p3 = None
-    if kind in P3_KINDS:  # options: slice_size, water_mark, as dist_sync's
-        p3 = P3Options.from_env(options.pop("slice_size", None), options.pop("water_mark", None))
-    settings = DistOptions.from_env(P3_KINDS.get(kind, kind), **options)
+def _join(config: KVStoreConfig) -> tuple[Topology, DistOptions, P3Options | None]:
+    """The topology of the job and ``config``'s settings (P3's own for the P3 kinds); the settings
+    were resolved and checked when ``config`` was made, before this touches the job."""
+    if config.dist is None:
+        raise KVStoreError(f"unknown distributed kvstore kind {config.kind!r}; choose one of {DISTRIBUTED_KINDS}")
     topology = Topology.from_env()
     set_torch_threads(topology)
-    return topology, settings, p3
+    return topology, config.dist, config.p3

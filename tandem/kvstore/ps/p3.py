@@ -18,7 +18,6 @@ import itertools
 import json
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from tandem import trace
 from tandem.env import knob
 from tandem.kvstore.base import Handle, normalize
+from tandem.kvstore.config import DistOptions, P3Options
 from tandem.kvstore.errors import KVStoreError
 from tandem.kvstore.kinds import P3_FOR
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue
@@ -35,48 +35,11 @@ from tandem.kvstore.ps.p3_tuner import DEFAULT_SLICE_SIZE, WATER_MARKS, AutoTune
 from tandem.kvstore.ps.placement import RoundRobinPlacement
 from tandem.kvstore.ps.protocol import Command, Key, Message, Role
 from tandem.kvstore.ps.server import CONTROL_COMMANDS, Server
-from tandem.kvstore.ps.topology import (
-    DistOptions,
-    Topology,
-    from_rank_zero,
-    mean_over_workers,
-)
+from tandem.kvstore.ps.topology import Topology, from_rank_zero, mean_over_workers
 from tandem.kvstore.ps.transport import Incoming, ServerTransport
 from tandem.kvstore.ps.worker import DistKVStore, Item
 
-P3_KINDS = {p3: rounds for rounds, p3 in P3_FOR.items()}  # P3 kind -> the rounds it runs
-AUTO = 0  # slice_size (TANDEM_KVSTORE_SLICE_THRESHOLD) meaning "tune it"
 _STORES_CREATED = itertools.count()  # names each store's tuner agreements in the rendezvous store
-
-
-@dataclass(frozen=True)
-class P3Options:
-    """P3's own settings; ``from_env`` fills unset ones from the knobs. ``slice_size`` 0 means "auto"."""
-
-    slice_size: int
-    water_mark: int
-
-    def __post_init__(self) -> None:
-        if self.slice_size < 0:
-            raise KVStoreError(
-                f"slice_size must be >= 1, or 0 / 'auto' to tune it (TANDEM_KVSTORE_SLICE_THRESHOLD), "
-                f"got {self.slice_size}"
-            )
-        if self.water_mark < 1:
-            raise KVStoreError(f"water_mark must be >= 1 (TANDEM_PS_WATER_MARK), got {self.water_mark}")
-
-    @property
-    def auto(self) -> bool:
-        return self.slice_size == AUTO
-
-    @classmethod
-    def from_env(cls, slice_size: int | str | None = None, water_mark: int | None = None) -> P3Options:
-        if slice_size == "auto":
-            slice_size = AUTO
-        if isinstance(slice_size, str):
-            raise KVStoreError(f"slice_size must be an int or 'auto', got {slice_size!r}")
-        size = knob("TANDEM_KVSTORE_SLICE_THRESHOLD") if slice_size is None else slice_size
-        return cls(size, water_mark or knob("TANDEM_PS_WATER_MARK"))
 
 
 class P3KVStore(DistKVStore):

@@ -26,6 +26,7 @@ import torch
 
 from tandem.kvstore import compression
 from tandem.kvstore.compression import GradientCompression
+from tandem.kvstore.config import DistOptions
 from tandem.kvstore.errors import PeerFailure, ProtocolError, RemoteError
 from tandem.kvstore.ps.protocol import (
     Command,
@@ -38,7 +39,6 @@ from tandem.kvstore.ps.protocol import (
     tensor_from_bytes,
 )
 from tandem.kvstore.ps.topology import (
-    DistOptions,
     ServerAddress,
     Topology,
     connect_store,

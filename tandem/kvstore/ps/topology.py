@@ -16,7 +16,6 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,6 @@ import torch.distributed as dist
 from tandem.env import is_set, knob
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
 
-KINDS = ("dist_sync", "dist_async")
 STORE_PREFIX = "tandem/kvstore/"
 
 
@@ -78,56 +76,6 @@ class Topology:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         return cls(role, role_rank, world - servers, servers, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    int(os.environ.get("MASTER_PORT", "29500")), local)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class DistOptions:
-    """Settings of a distributed store; ``from_env`` fills unset ones from the TANDEM_* knobs."""
-
-    kind: str
-    bigarray_bound: int
-    heartbeat: float
-    timeout: float
-    secret: str
-    bind_addr: str
-    rendezvous_timeout: float = 120.0  # how long processes wait for each other to start
-    exit_on_failure: bool = True  # hard-exit a worker whose job died even if it never waits again
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise KVStoreError(f"unknown distributed kvstore kind {self.kind!r}; choose one of {KINDS}")
-        if self.bigarray_bound < 1:
-            raise KVStoreError(f"bigarray_bound must be >= 1, got {self.bigarray_bound}")
-        if not 0 < self.heartbeat < self.timeout:
-            raise KVStoreError(
-                f"need 0 < heartbeat ({self.heartbeat}) < timeout ({self.timeout}): TANDEM_PS_HEARTBEAT / TANDEM_PS_TIMEOUT"
-            )
-        if self.rendezvous_timeout <= 0:
-            raise KVStoreError(f"rendezvous_timeout must be > 0, got {self.rendezvous_timeout}")
-
-    @property
-    def sync(self) -> bool:
-        return self.kind == "dist_sync"
-
-    @property
-    def secret_bytes(self) -> bytes:
-        return self.secret.encode("utf-8")
-
-    @classmethod
-    def from_env(cls, kind: str, **overrides: Any) -> DistOptions:
-        unknown = set(overrides) - {"bigarray_bound", "heartbeat", "timeout", "secret", "bind_addr",
-                                    "rendezvous_timeout", "exit_on_failure"}  # fmt: skip
-        if unknown:
-            raise TypeError(f"unknown kvstore option(s) {sorted(unknown)} for kind {kind!r}")
-        values: dict[str, Any] = {
-            "bigarray_bound": knob("TANDEM_KVSTORE_BIGARRAY_BOUND"),
-            "heartbeat": knob("TANDEM_PS_HEARTBEAT"),
-            "timeout": knob("TANDEM_PS_TIMEOUT"),
-            "secret": knob("TANDEM_PS_SECRET"),
-            "bind_addr": knob("TANDEM_BIND_ADDR"),
-        }
-        values.update(overrides)
-        return cls(kind=kind, **values)
 
 
 def set_torch_threads(topology: Topology) -> int:

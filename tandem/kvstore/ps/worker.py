@@ -23,12 +23,13 @@ from tandem.env import knob
 from tandem.kvstore import compression
 from tandem.kvstore.base import Handle, Key, KVStore, Receiver, normalize, reduce_sum
 from tandem.kvstore.compression import COMPRESSIBLE, Compressor, GradientCompression
+from tandem.kvstore.config import DistOptions
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, ProtocolError
 from tandem.kvstore.ps.client import Client, message_text
 from tandem.kvstore.ps.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.ps.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
 from tandem.kvstore.ps.server import hello_info
-from tandem.kvstore.ps.topology import DistOptions, Topology, connect_store, server_addresses
+from tandem.kvstore.ps.topology import Topology, connect_store, server_addresses
 from tandem.kvstore.slots import optimizer_to_json
 
 CACHE_LIMIT = 65536  # request headers and plans remembered (a job has a few per key)
