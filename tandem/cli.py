@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -114,8 +117,13 @@ def train(args: argparse.Namespace) -> int:
 
     from tandem import models
     from tandem.env import knob
+    from tandem.step import StepConfig
     from tandem.trainer import Trainer
 
+    try:  # a bad --mirror / --bulk-fwd is refused before anything starts, without a traceback
+        StepConfig(**{name: getattr(args, name) for name in step_option_names()})
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"tandem train: {error}") from None
     if args.kvstore not in (None, "local"):
         from tandem import kvstore
 
@@ -142,8 +150,8 @@ def train(args: argparse.Namespace) -> int:
         raise SystemExit(f"--batch-size {args.batch_size} is the global batch: it must divide by the {workers} workers")
     options: dict[str, Any] = {"batch_size": args.batch_size // workers, "seed": args.seed,
                                "progress": not args.no_progress}
-    for name in ("mirror", "bulk_fwd", "bulk_bwd", "kvstore", "clip_grad_norm", "communication",
-                 "gradient_compression"):
+    options.update({name: getattr(args, name) for name in step_option_names()})  # defaults are StepConfig's
+    for name in ("kvstore", "clip_grad_norm", "communication", "gradient_compression"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.update_on is not None:
@@ -252,6 +260,64 @@ def _mirror(text: str) -> str | float:
         return text
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's text in ``cls``'s docstring's ``Attributes:`` section (Google style), one line each,
+    with reST literals unquoted: the help of the options generated from the fields."""
+    docs: dict[str, str] = {}
+    name, inside = None, False
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        if not inside:
+            inside = line.strip() == "Attributes:"
+            continue
+        if not line.strip() or not line.startswith("    "):
+            break
+        entry = re.match(r"^    (\w+)(?: \(.*?\))?: (.*)$", line)
+        if entry is not None:
+            name, docs[entry.group(1)] = entry.group(1), entry.group(2)
+        elif name is not None:
+            docs[name] += " " + line.strip()
+    return {key: text.replace("``", "") for key, text in docs.items()}
+
+
+def step_option_names() -> list[str]:
+    """The StepConfig fields ``tandem train`` has an option for: every one a caller sets."""
+    from tandem.step import StepConfig
+
+    return [f.name for f in dataclasses.fields(StepConfig) if f.init]
+
+
+def add_step_options(parser: argparse.ArgumentParser) -> None:
+    """An option per ``StepConfig`` field (``--bulk-fwd`` for ``bulk_fwd``), generated from the dataclass:
+    its default, its docstring text as help, ``choices`` from the field's metadata; booleans get a
+    ``--no-`` form too. A field that already has a hand-written option keeps that one."""
+    import typing
+
+    from tandem.step import StepConfig
+
+    docs, hints = field_docs(StepConfig), typing.get_type_hints(StepConfig)
+    group = parser.add_argument_group("compile options", "tandem.StepConfig's fields (explicit values beat the "
+                                      "TANDEM_* knobs; None takes the knob)")  # fmt: skip
+    for f in dataclasses.fields(StepConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if not f.init or flag in parser._option_string_actions:
+            continue
+        if f.name not in docs:
+            raise TypeError(f"StepConfig.{f.name} has no text in StepConfig's docstring (Attributes:)")
+        kinds = set(typing.get_args(hints[f.name]) or (hints[f.name],)) - {type(None)}
+        option: dict[str, Any] = {"default": f.default, "help": docs[f.name].replace("%", "%%")}
+        if kinds == {bool}:
+            option["action"] = argparse.BooleanOptionalAction
+        elif kinds == {str, float}:
+            option["type"] = _mirror
+        elif len(kinds) == 1 and next(iter(kinds)) in (int, float, str):
+            option["type"] = next(iter(kinds))
+        else:
+            raise TypeError(f"StepConfig.{f.name}: no command-line type for {hints[f.name]}")
+        if "choices" in f.metadata:
+            option["choices"] = tuple(f.metadata["choices"])
+        group.add_argument(flag, **option).help = option["help"]  # BooleanOptionalAction (3.11) appends a default
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every option's help ends with its default; descriptions keep their line breaks."""
 
@@ -277,14 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay of the optimizer")
     p.add_argument("--clip-grad-norm", type=float, default=None, help="clip the global gradient norm to this (off when unset)")
-    p.add_argument("--mirror", type=_mirror, default=None,
-                   help="backward mirroring: off | all | sqrt | memory-aware | a fraction of peak (0.4) | a size "
-                        "('300MB'); unset: TANDEM_MIRROR")
-    p.add_argument("--bulk-fwd", type=int, default=None, help="forward segment cap in op nodes (unset: TANDEM_BULK_*)")
-    p.add_argument("--bulk-bwd", type=int, default=None, help="backward segment cap in op nodes (unset: TANDEM_BULK_*)")
     p.add_argument("--kvstore", default=None, choices=KINDS,
                    help="local, or a distributed store under tandem launch / torchrun (unset: local)")
-    p.add_argument("--communication", default=None, choices=["auto", *MODES],
+    p.add_argument("--communication", default="auto", choices=["auto", *MODES],
                    help="how gradients travel with a distributed kvstore (auto: p3 on the P3 kinds, else overlap)")
     p.add_argument("--gradient-compression", default=None, metavar="KIND[:THRESHOLD]",
                    help="compress pushed gradients with a distributed kvstore: 2bit (threshold 0.5), 2bit:0.1, "
@@ -303,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: TANDEM_NUM_THREADS, else all cores)")
     p.add_argument("--save", default=None, help="write a checkpoint here at the end (none when unset)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_step_options(p)
     p.set_defaults(handler=train)
     lp = commands.add_parser("launch", help="start servers and workers on this machine: tandem launch -n 2 -s 2 -- CMD",
                              description="Start a parameter-server job on this machine: every process runs CMD "
