@@ -51,14 +51,36 @@ class Optimizer(ABC):
 
     @abstractmethod
     def create_state(self, param: Tensor) -> dict[str, Tensor]:
-        """Fresh per-parameter state holding only tensors, so a checkpoint can ``torch.save`` it."""
+        """Fresh per-parameter state holding only tensors, so a checkpoint can ``torch.save`` it.
+
+        Example:
+            ```python
+            opt = tandem.optim.AdamW(lr=1e-3)
+            state = opt.create_state(torch.zeros(3))    # {"step": ..., "exp_avg": ..., "exp_avg_sq": ...}
+            ```
+        """
 
     @abstractmethod
     def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
-        """Apply one step in place (params and states) with one fused call; lists aligned by index."""
+        """Apply one step in place (params and states) with one fused call; lists aligned by index.
+
+        Example:
+            ```python
+            params, grads = [torch.zeros(3), torch.zeros(2)], [torch.ones(3), torch.ones(2)]
+            states = [opt.create_state(p) for p in params]
+            opt.update(params, grads, states)            # every parameter in one fused call
+            ```
+        """
 
     def to_config(self) -> dict[str, ConfigValue]:
-        """JSON-safe hyperparameters with ``name``; ``betas`` is flattened to ``beta1``/``beta2``."""
+        """JSON-safe hyperparameters with ``name``; ``betas`` is flattened to ``beta1``/``beta2``.
+
+        Example:
+            ```python
+            tandem.optim.AdamW(lr=1e-3).to_config()
+            # {"name": "adamw", "lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-08, "weight_decay": 0.01, ...}
+            ```
+        """
         config: dict[str, ConfigValue] = {"name": self.name}
         for field in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, field.name)
@@ -70,7 +92,14 @@ class Optimizer(ABC):
 
     @staticmethod
     def from_config(config: Mapping[str, Any]) -> Optimizer:
-        """The optimizer ``to_config`` described; ValueError on an unknown name or field."""
+        """The optimizer ``to_config`` described; ValueError on an unknown name or field.
+
+        Example:
+            ```python
+            opt = tandem.optim.Optimizer.from_config({"name": "sgd", "lr": 0.1, "momentum": 0.9})
+            tandem.optim.Optimizer.from_config(opt.to_config()) == opt   # True
+            ```
+        """
         if not isinstance(config, Mapping) or "name" not in config:
             raise ValueError(f"optimizer config must be a mapping with a 'name', got {config!r}")
         hyperparameters = {key: value for key, value in config.items() if key != "name"}
@@ -84,7 +113,13 @@ class Optimizer(ABC):
         check_lengths(f"{type(self).__name__}.update", {"params": params, "grads": grads, "states": states})
 
     def state_columns(self, states: Sequence[Mapping[str, Tensor]], keys: Sequence[str]) -> list[list[Tensor]]:
-        """``[[state[key] for state in states] for key in keys]``, naming the state index when one lacks a key."""
+        """``[[state[key] for state in states] for key in keys]``, naming the state index when one lacks a key.
+
+        Example:
+            ```python
+            exp_avg, exp_avg_sq = opt.state_columns(states, ["exp_avg", "exp_avg_sq"])   # one list per key
+            ```
+        """
         for index, state in enumerate(states):
             if not isinstance(state, Mapping):
                 raise TypeError(f"{type(self).__name__}.update: states[{index}] is a {type(state).__name__}, expected a dict")
