@@ -19,7 +19,13 @@ from torch.utils.data import Dataset
 from tandem.data.rng import generator
 
 BYTE_VOCAB_SIZE = 256  # byte-level tokens: every UTF-8 byte is one token
-"""Vocabulary size of ``pydoc_text``'s byte-level tokens: every UTF-8 byte is one token."""
+"""Vocabulary size of ``pydoc_text``'s byte-level tokens: every UTF-8 byte is one token.
+
+Example:
+    ```python
+    model = tandem.models.gpt(vocab_size=tandem.data.BYTE_VOCAB_SIZE, block_size=64)   # 256 tokens
+    ```
+"""
 TOPIC_SEPARATOR = "\n\n"  # between the help topics of the corpus
 
 
@@ -62,7 +68,13 @@ class TextBlocks(Dataset[dict[str, Tensor]]):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
     def text(self, index: int) -> str:
-        """Block ``index`` decoded back to text (a block may cut a multi-byte character: replaced)."""
+        """Block ``index`` decoded back to text (a block may cut a multi-byte character: replaced).
+
+        Example:
+            ```python
+            tandem.data.pydoc_text("train").text(0)[:22]    # 'The "assert" statement'
+            ```
+        """
         return decode(self.tokens[index])
 
 
