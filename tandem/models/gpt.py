@@ -70,7 +70,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embeddings -> blocks -> LayerNorm -> lm_head (tied to the token embedding)."""
+    """Token + position embeddings -> blocks -> LayerNorm -> lm_head (tied to the token embedding).
+
+    Example:
+        ```python
+        model = tandem.models.gpt(vocab_size=256, block_size=64, n_layer=2)   # a GPT
+        logits = model(torch.randint(256, (4, 64)))                          # (4, 64, 256)
+        ```
+    """
 
     def __init__(
         self,
@@ -116,11 +123,24 @@ class GPT(nn.Module):
 
     @property
     def blocks(self) -> list[nn.Module]:
-        """The transformer blocks in forward order."""
+        """The transformer blocks in forward order.
+
+        Example:
+            ```python
+            len(tandem.models.gpt(n_layer=4).blocks)   # 4
+            ```
+        """
         return list(self.h)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """tokens: LongTensor (N, T) with T <= block_size -> logits (N, T, vocab_size)."""
+        """tokens: LongTensor (N, T) with T <= block_size -> logits (N, T, vocab_size).
+
+        Example:
+            ```python
+            model = tandem.models.gpt(vocab_size=256, block_size=64)
+            model(torch.randint(256, (4, 32))).shape    # (4, 32, 256)
+            ```
+        """
         seq_len = tokens.shape[1]
         if seq_len > self.block_size:
             raise ValueError(f"gpt: sequence length {seq_len} exceeds block_size={self.block_size}")

@@ -45,6 +45,13 @@ class LibraryEntry:
     with the library's own initialization (seed torch first for reproducible weights); ``loss_fn``
     is what ``Trainer`` / ``tandem.compile`` take; ``loss_type`` names the library's loss function
     where the class name does not (transformers picks it by class name and warns when it guesses).
+
+    Example:
+        ```python
+        entry = tandem.models.LIBRARY["hf-gpt2"]       # a LibraryEntry
+        model = entry.build(n_layer=4)                # GPT2LMHeadModel(GPT2Config(**entry.config, n_layer=4))
+        loss = entry.loss_fn(model, {"input_ids": tokens, "labels": tokens})
+        ```
     """
 
     name: str
@@ -97,6 +104,14 @@ LIBRARY: dict[str, LibraryEntry] = {
         ),
     )
 }  # fmt: skip
+"""The library models by name (``hf-gpt2``, ``hf-llama``), each a ``LibraryEntry`` (the ``models`` extra).
+
+Example:
+    ```python
+    sorted(tandem.models.LIBRARY)                  # ["hf-gpt2", "hf-llama"]
+    model = tandem.models.LIBRARY["hf-llama"].build()   # transformers' LlamaForCausalLM
+    ```
+"""
 
 
 def positions(config: dict[str, Any]) -> int | None:

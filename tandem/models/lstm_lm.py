@@ -43,7 +43,14 @@ class LSTMLayer(nn.Module):
 
 
 class LSTMLanguageModel(nn.Module):
-    """Embedding -> LSTM layers (dropout between) -> Linear decoder, tied to the embedding by default."""
+    """Embedding -> LSTM layers (dropout between) -> Linear decoder, tied to the embedding by default.
+
+    Example:
+        ```python
+        model = tandem.models.lstm_lm(vocab_size=256, num_layers=2)   # an LSTMLanguageModel
+        model.decoder.weight is model.embedding.weight              # True: tied
+        ```
+    """
 
     def __init__(
         self, vocab_size: int, embed_dim: int, hidden: int, num_layers: int, dropout: float, tie_weights: bool
@@ -74,11 +81,24 @@ class LSTMLanguageModel(nn.Module):
 
     @property
     def blocks(self) -> list[nn.Module]:
-        """The LSTM layers in forward order."""
+        """The LSTM layers in forward order.
+
+        Example:
+            ```python
+            len(tandem.models.lstm_lm(num_layers=3).blocks)   # 3
+            ```
+        """
         return list(self.layers)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """tokens: LongTensor (N, T) -> logits (N, T, vocab_size)."""
+        """tokens: LongTensor (N, T) -> logits (N, T, vocab_size).
+
+        Example:
+            ```python
+            model = tandem.models.lstm_lm(vocab_size=256)
+            model(torch.randint(256, (4, 16))).shape    # (4, 16, 256)
+            ```
+        """
         x = self.dropout(self.embedding(tokens))
         for layer in self.layers:
             x = self.dropout(layer(x))

@@ -13,7 +13,14 @@ from torch import Tensor, nn
 
 
 class MLP(nn.Module):
-    """Flatten -> [Linear -> ReLU (-> Dropout)] per hidden width -> Linear."""
+    """Flatten -> [Linear -> ReLU (-> Dropout)] per hidden width -> Linear.
+
+    Example:
+        ```python
+        model = tandem.models.mlp(in_features=64, hidden=(128, 128), num_classes=10)   # an MLP
+        model(torch.randn(8, 1, 8, 8)).shape          # (8, 10): images are flattened
+        ```
+    """
 
     def __init__(self, in_features: int, hidden: Sequence[int], num_classes: int, dropout: float) -> None:
         super().__init__()
@@ -36,7 +43,13 @@ class MLP(nn.Module):
 
     @property
     def blocks(self) -> list[nn.Module]:
-        """The hidden layers in order (each Linear -> ReLU [-> Dropout])."""
+        """The hidden layers in order (each Linear -> ReLU [-> Dropout]).
+
+        Example:
+            ```python
+            len(tandem.models.mlp(hidden=(128, 128)).blocks)   # 2
+            ```
+        """
         return list(self.hidden)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -42,7 +42,14 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """stem -> stages of BasicBlocks (width doubles, resolution halves per stage) -> mean pool -> Linear."""
+    """stem -> stages of BasicBlocks (width doubles, resolution halves per stage) -> mean pool -> Linear.
+
+    Example:
+        ```python
+        model = tandem.models.resnet(depth=8, width=16, in_channels=1, small_input=True)   # a ResNet
+        model(torch.randn(2, 1, 8, 8)).shape          # (2, 10)
+        ```
+    """
 
     def __init__(self, depth: int, width: int, num_classes: int, in_channels: int, small_input: bool) -> None:
         super().__init__()
@@ -73,7 +80,13 @@ class ResNet(nn.Module):
 
     @property
     def blocks(self) -> list[nn.Module]:
-        """Every residual block in forward order (the unit for per-block checkpointing)."""
+        """Every residual block in forward order (the unit for per-block checkpointing).
+
+        Example:
+            ```python
+            len(tandem.models.resnet(depth=18).blocks)   # 8 BasicBlocks
+            ```
+        """
         return [block for stage in self.stages for block in cast(nn.Sequential, stage)]
 
     def forward(self, x: Tensor) -> Tensor:

@@ -38,7 +38,14 @@ def _split_stages(config: list[int | str], width_multiplier: float) -> list[list
 
 
 class VGG(nn.Module):
-    """Conv stages (each ends in a max-pool) -> flatten -> Linear-ReLU-Linear-ReLU-Linear."""
+    """Conv stages (each ends in a max-pool) -> flatten -> Linear-ReLU-Linear-ReLU-Linear.
+
+    Example:
+        ```python
+        model = tandem.models.vgg("vgg11", width_multiplier=1 / 16, classifier_width=32)   # a VGG
+        model(torch.randn(2, 3, 32, 32)).shape        # (2, 10)
+        ```
+    """
 
     def __init__(
         self,
@@ -86,7 +93,13 @@ class VGG(nn.Module):
 
     @property
     def blocks(self) -> list[nn.Module]:
-        """The conv stages in forward order (each ends with its max-pool)."""
+        """The conv stages in forward order (each ends with its max-pool).
+
+        Example:
+            ```python
+            len(tandem.models.vgg("vgg11").blocks)   # 5
+            ```
+        """
         return list(self.stages)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -37,6 +37,14 @@ class ZooEntry:
     tokens stay int64. It returns ``(x, y)`` for classifiers and ``(tokens, targets)`` for LMs,
     ready for ``loss_fn(module, *batch)``. ``has_dropout`` / ``has_batchnorm`` describe the
     instance built from ``tiny``.
+
+    Example:
+        ```python
+        entry = tandem.models.ZOO["resnet"]           # a ZooEntry
+        model = entry.build(**entry.tiny)
+        x, y = entry.make_batch(16, torch.Generator().manual_seed(0), **entry.tiny)   # (16, 1, 8, 8), (16,)
+        loss = entry.loss_fn(model, x, y)
+        ```
     """
 
     name: str
@@ -161,6 +169,14 @@ ZOO: dict[str, ZooEntry] = {
         ),
     )
 }
+"""Every zoo model by name (``mlp``, ``resnet``, ``vgg``, ``lstm_lm``, ``gpt``), each a ``ZooEntry``.
+
+Example:
+    ```python
+    for name, entry in tandem.models.ZOO.items():
+        model = entry.build(**entry.tiny)          # a tiny instance of each, for quick tests
+    ```
+"""
 
 
 def lookup(name: str) -> ZooEntry | LibraryEntry:
