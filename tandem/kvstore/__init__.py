@@ -54,6 +54,12 @@ def serve(kind: str | KVStoreConfig = "dist_sync", **options: Any) -> int:
     ``tandem launch`` or torchrun every process runs the same script, so a script serves first:
     ``if tandem.kvstore.is_server(): sys.exit(tandem.kvstore.serve("dist_sync"))``. ``kind`` and the
     options are ``create``'s (P3 or not as there). The server logs to ``logging`` ("tandem.kvstore.server").
+
+    Example:
+        ```python
+        if tandem.kvstore.is_server():                 # in the script every process of the job runs
+            sys.exit(tandem.kvstore.serve("dist_sync"))
+        ```
     """
     config = KVStoreConfig.of(kind, **options)
     if not config.distributed:
@@ -65,7 +71,15 @@ def serve(kind: str | KVStoreConfig = "dist_sync", **options: Any) -> int:
 
 def is_server() -> bool:
     """Whether this process is a server of a distributed job (``TANDEM_ROLE=server``, or a server rank
-    under torchrun); False outside a job."""
+    under torchrun); False outside a job.
+
+    Example:
+        ```python
+        if tandem.kvstore.is_server():
+            sys.exit(tandem.kvstore.serve("dist_sync"))
+        trainer = tandem.Trainer(model, loss_fn, opt, kvstore="dist_sync")   # the workers
+        ```
+    """
     from tandem.kvstore.ps.job import is_server as server_role
 
     return server_role()

@@ -84,7 +84,15 @@ class Handle:
             self._finish()
 
     def fail(self, error: BaseException) -> None:
-        """Record the first error; the handle is done at once (other parts are ignored)."""
+        """Record the first error; the handle is done at once (other parts are ignored).
+
+        Example:
+            ```python
+            handle = Handle("push of key 'w'", parts=2)   # what a store returns
+            handle.fail(KVStoreError("server 1 stopped answering"))
+            handle.done(), handle.error                      # True, that error; handle.wait() raises it
+            ```
+        """
         with self._lock:
             if self._finished:
                 return
@@ -115,6 +123,12 @@ class Handle:
 
         It runs in the thread completing the operation (the kvstore's receiving thread) or in the caller's
         thread if already done; keep it short and non-blocking. ``handle.error`` says whether it failed.
+
+        Example:
+            ```python
+            handle = kv.push("w", grad)
+            handle.add_done_callback(lambda h: print("push failed:", h.error) if h.error else None)
+            ```
         """
         with self._lock:
             waiting = not self._finished
@@ -133,11 +147,27 @@ class Handle:
 
     @property
     def error(self) -> BaseException | None:
-        """The operation's error once done (None while running or after success)."""
+        """The operation's error once done (None while running or after success).
+
+        Example:
+            ```python
+            handle = kv.push("w", grad)
+            if handle.done() and handle.error is not None:
+                print("push failed:", handle.error)
+            ```
+        """
         return self._error if self._finished else None
 
     def done(self) -> bool:
-        """True once the operation finished or failed; never blocks (a poller counts as a waiter)."""
+        """True once the operation finished or failed; never blocks (a poller counts as a waiter).
+
+        Example:
+            ```python
+            handle = kv.pushpull("w", grad, out=param)
+            while not handle.done():
+                do_other_work()
+            ```
+        """
         if self._finished:
             return True
         if self._receiver is not None:
@@ -262,7 +292,14 @@ class KVStore(ABC):
 
     @abstractmethod
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:
-        """Set initial values (collective, blocking); initialising a key twice raises."""
+        """Set initial values (collective, blocking); initialising a key twice raises.
+
+        Example:
+            ```python
+            kv.init("w", torch.zeros(3))
+            kv.init(["a", "b"], [torch.zeros(2), torch.ones(4)])     # several keys at once
+            ```
+        """
 
     @abstractmethod
     def push(self, keys: Key | Sequence[Key], values: Any, priority: int = 0) -> Handle:
@@ -298,11 +335,25 @@ class KVStore(ABC):
 
     @abstractmethod
     def set_optimizer(self, optimizer: Any) -> None:
-        """Run updates with ``optimizer`` (a ``tandem.optim.Optimizer``) where values are stored (collective)."""
+        """Run updates with ``optimizer`` (a ``tandem.optim.Optimizer``) where values are stored (collective).
+
+        Example:
+            ```python
+            kv.set_optimizer(tandem.optim.SGD(lr=0.1))
+            kv.push("w", grad).wait()         # the stored w is now w - 0.1 * grad
+            ```
+        """
 
     def set_gradient_compression(self, params: Any) -> None:
         """Compress pushed gradients (``{"type": "2bit", "threshold": 0.5}``, "fp16", "bf16"; see
-        ``tandem.kvstore.compression``). Only distributed stores compress: bytes cost nothing here."""
+        ``tandem.kvstore.compression``). Only distributed stores compress: bytes cost nothing here.
+
+        Example:
+            ```python
+            kv = tandem.kvstore.create("dist_sync")          # a worker of a job
+            kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})   # or "fp16", "bf16"
+            ```
+        """
         if not GradientCompression.parse(params).enabled:
             return
         raise KVStoreError(f"the {self.kind} kvstore does not compress gradients (no network to save); "
@@ -310,19 +361,46 @@ class KVStore(ABC):
 
     @abstractmethod
     def barrier(self) -> None:
-        """Block until every worker reached the barrier (collective)."""
+        """Block until every worker reached the barrier (collective).
+
+        Example:
+            ```python
+            kv.barrier()                      # every worker has got here
+            ```
+        """
 
     @abstractmethod
     def save_server_state(self, path: str) -> None:
-        """Checkpoint stored values and optimizer state under directory ``path`` (collective)."""
+        """Checkpoint stored values and optimizer state under directory ``path`` (collective).
+
+        Example:
+            ```python
+            kv.save_server_state("ckpt/kvstore")
+            ```
+        """
 
     @abstractmethod
     def load_server_state(self, path: str) -> None:
-        """Restore what ``save_server_state`` wrote (collective); keys must have been ``init``-ed."""
+        """Restore what ``save_server_state`` wrote (collective); keys must have been ``init``-ed.
+
+        Example:
+            ```python
+            kv.init("w", torch.zeros(3))      # the same keys as when saved
+            kv.load_server_state("ckpt/kvstore")
+            ```
+        """
 
     @abstractmethod
     def close(self) -> None:
-        """Finish outstanding work and release resources; idempotent."""
+        """Finish outstanding work and release resources; idempotent.
+
+        Example:
+            ```python
+            kv.close()
+            with tandem.kvstore.create("local") as kv:   # or as a context manager: closed on exit
+                kv.init("w", torch.zeros(3))
+            ```
+        """
 
     def __enter__(self) -> KVStore:
         return self

@@ -21,7 +21,14 @@ AUTO = 0  # slice_size (TANDEM_KVSTORE_SLICE_THRESHOLD) meaning "tune it"
 
 
 class KVStoreOptionError(KVStoreError, ValueError):
-    """A kvstore option has a bad value; the message names the valid range (and the knob it defaults to)."""
+    """A kvstore option has a bad value; the message names the valid range (and the knob it defaults to).
+
+    Example:
+        ```python
+        tandem.kvstore.create("dist_sync", heartbeat=30.0, timeout=10.0)
+        # KVStoreOptionError (also a ValueError): need 0 < heartbeat (30.0) < timeout (10.0): ...
+        ```
+    """
 
 
 def _check_type(name: str, value: Any, kinds: tuple[type, ...], what: str) -> None:
@@ -31,7 +38,14 @@ def _check_type(name: str, value: Any, kinds: tuple[type, ...], what: str) -> No
 
 @dataclass(frozen=True)
 class DistOptions:
-    """Settings of a distributed store; ``from_env`` fills unset ones from the TANDEM_* knobs."""
+    """Settings of a distributed store; ``from_env`` fills unset ones from the TANDEM_* knobs.
+
+    Example:
+        ```python
+        dist = DistOptions.from_env("dist_sync", heartbeat=2.0)   # the others from their TANDEM_* knobs
+        kv = tandem.kvstore.create(KVStoreConfig("dist_sync", dist))
+        ```
+    """
 
     kind: str  # the rounds: "dist_sync" or "dist_async" (a P3 store's too)
     bigarray_bound: int  # arrays of at least this many elements are split over all servers
@@ -89,7 +103,14 @@ DIST_OPTIONS = tuple(f.name for f in fields(DistOptions) if f.name != "kind")  #
 
 @dataclass(frozen=True)
 class P3Options:
-    """P3's own settings; ``from_env`` fills unset ones from the knobs. ``slice_size`` 0 means "auto"."""
+    """P3's own settings; ``from_env`` fills unset ones from the knobs. ``slice_size`` 0 means "auto".
+
+    Example:
+        ```python
+        p3 = P3Options.from_env(slice_size="auto")   # P3Options(slice_size=0, water_mark=10)
+        config = KVStoreConfig("dist_p3", DistOptions.from_env("dist_sync"), p3)
+        ```
+    """
 
     slice_size: int  # elements per slice (AUTO, 0: tune it)
     water_mark: int  # max pushes in flight per worker
@@ -133,6 +154,12 @@ class KVStoreConfig:
         p3: P3's own settings, for ``dist_p3`` / ``dist_p3_async`` only.
 
     ``create``, ``serve`` and ``Trainer`` take one in place of a kind and its options.
+
+    Example:
+        ```python
+        config = KVStoreConfig.resolve("dist_p3", slice_size="auto")   # checked here, before any job
+        trainer = tandem.Trainer(model, loss_fn, opt, kvstore=config)
+        ```
     """
 
     kind: str = "local"
@@ -159,7 +186,15 @@ class KVStoreConfig:
     @staticmethod
     def resolve(kind: str = "local", **options: Any) -> KVStoreConfig:
         """The config of ``create(kind, **options)``: the kind as ``resolve_kind`` makes it, every
-        option checked, unset ones from their knobs (see ``create`` for the options)."""
+        option checked, unset ones from their knobs (see ``create`` for the options).
+
+        Example:
+            ```python
+            config = KVStoreConfig.resolve("dist_sync", heartbeat=2.0)
+            config.dist.timeout              # 10.0: TANDEM_PS_TIMEOUT's default
+            KVStoreConfig.resolve("dist_sync", slice_size=4)   # TypeError: slice_size goes with the P3 kinds
+            ```
+        """
         if not isinstance(kind, str) or kind not in KINDS:
             raise ValueError(f"unknown kvstore kind {kind!r}; choose one of {KINDS}")
         if kind == "local":
@@ -179,7 +214,14 @@ class KVStoreConfig:
 
     @staticmethod
     def of(kind: str | KVStoreConfig = "local", **options: Any) -> KVStoreConfig:
-        """``kind`` as it is when it is a config already (then no options), else ``resolve(kind, **options)``."""
+        """``kind`` as it is when it is a config already (then no options), else ``resolve(kind, **options)``.
+
+        Example:
+            ```python
+            KVStoreConfig.of("local")                 # KVStoreConfig(kind="local", dist=None, p3=None)
+            KVStoreConfig.of(config) is config        # True
+            ```
+        """
         if isinstance(kind, KVStoreConfig):
             if options:
                 raise TypeError(f"pass options either in the KVStoreConfig or as keywords, not both: {sorted(options)}")

@@ -19,7 +19,15 @@ CHECKPOINT_NAME = "local.pt"
 
 
 class LocalKVStore(KVStore):
-    """Operations run synchronously; the returned handles are already done (errors raise at the call)."""
+    """Operations run synchronously; the returned handles are already done (errors raise at the call).
+
+    Example:
+        ```python
+        kv = tandem.kvstore.create("local")            # a LocalKVStore
+        kv.init("w", torch.zeros(3))
+        kv.push("w", torch.ones(3)).done()             # True at once
+        ```
+    """
 
     kind = "local"
 
