@@ -141,6 +141,12 @@ class TrainStep:
 
         ``hooks`` (executor.StepHooks) is what a parameter update adds to the run: the parameters'
         engine vars and the calls before each segment and before a measured step.
+
+        Example:
+            ```python
+            step = tandem.compile(model, loss_fn, x, y)
+            result = step(x, y)                  # a StepResult: result.loss, result.grads
+            ```
         """
         layout, tensors = BatchLayout.of(batch)
         compiled = self._for_batch(batch, layout)
@@ -185,7 +191,14 @@ class TrainStep:
 
     @property
     def graph(self) -> TrainGraph:
-        """The planned graph of the most recent step (or the example batch's)."""
+        """The planned graph of the most recent step (or the example batch's).
+
+        Example:
+            ```python
+            step.graph.summary()      # "TrainGraph: 4 parameters, ..., 28 op nodes (10 forward, 18 backward)"
+            step.graph.graph          # the torch.fx Graph of aten ops
+            ```
+        """
         compiled = self._last or next(iter(self._compiled.values()))
         return compiled.graph
 
@@ -195,7 +208,15 @@ class TrainStep:
         return compiled.executor
 
     def add_gradient_hook(self, hook: GradientHook) -> None:
-        """hook(name, grad) runs when the segment that finishes a parameter's gradient ends."""
+        """hook(name, grad) runs when the segment that finishes a parameter's gradient ends.
+
+        Example:
+            ```python
+            norms = {}
+            step.add_gradient_hook(lambda name, grad: norms.__setitem__(name, grad.norm().item()))
+            step(x, y)                           # norms["head.weight"] is set during the backward
+            ```
+        """
         self._hooks.append(hook)
         for compiled in self._compiled.values():
             compiled.executor.hooks = self._hooks

@@ -156,6 +156,12 @@ class Trainer:
         ``batch`` is what ``loss_fn(module, *batch)`` receives: each element a tensor, or a
         dict / tuple / list of tensors (``trainer.step(x, y)``, ``trainer.step({"input_ids": ...,
         "labels": ...})``). Other leaves (ints, strings, None) are static: a new value captures again.
+
+        Example:
+            ```python
+            loss = trainer.step(x, y)              # a float; the update is applied before it returns
+            trainer.grads["head.weight"]            # training alone: the last step's gradients
+            ```
         """
         self.module.train()
         step = self._compiled(batch)
@@ -173,32 +179,73 @@ class Trainer:
 
     @property
     def rank(self) -> int:
-        """This worker's rank in a distributed job (0 when training alone)."""
+        """This worker's rank in a distributed job (0 when training alone).
+
+        Example:
+            ```python
+            if trainer.rank == 0:
+                trainer.save("ckpt.pt")             # one worker writes the checkpoint
+            ```
+        """
         return self._update.rank
 
     @property
     def num_workers(self) -> int:
-        """The number of workers of the distributed job (1 when training alone)."""
+        """The number of workers of the distributed job (1 when training alone).
+
+        Example:
+            ```python
+            global_batch = 64 * trainer.num_workers   # batch_size is per worker
+            ```
+        """
         return self._update.num_workers
 
     @property
     def kvstore(self) -> Any:
-        """The distributed KVStore this trainer talks to, or None when training alone."""
+        """The distributed KVStore this trainer talks to, or None when training alone.
+
+        Example:
+            ```python
+            if trainer.kvstore is not None:
+                trainer.kvstore.barrier()           # every worker reaches this point
+            ```
+        """
         return self._update.store
 
     @property
     def train_step(self) -> TrainStep:
-        """The captured training step (after the first ``step``): ``trainer.train_step.memory_report()``."""
+        """The captured training step (after the first ``step``): ``trainer.train_step.memory_report()``.
+
+        Example:
+            ```python
+            trainer.step(x, y)
+            trainer.train_step.memory_report()["peak_bytes"]
+            ```
+        """
         if self._train_step is None:
             raise RuntimeError("the step is captured on the first Trainer.step(*batch); call it first")
         return self._train_step
 
     def sync(self) -> None:
-        """Block until pending parameter updates are written (before reading parameters here)."""
+        """Block until pending parameter updates are written (before reading parameters here).
+
+        Example:
+            ```python
+            trainer.step(x, y)
+            trainer.sync()                          # model.parameters() now hold the updated values
+            ```
+        """
         self._update.flush()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop (or zero, in one fused op) the gradients of the last step."""
+        """Drop (or zero, in one fused op) the gradients of the last step.
+
+        Example:
+            ```python
+            trainer.zero_grad()                     # trainer.grads is {}
+            trainer.zero_grad(set_to_none=False)    # the gradient tensors kept, filled with zeros
+            ```
+        """
         self.sync()
         if set_to_none:
             self.grads = {}
@@ -218,6 +265,12 @@ class Trainer:
         into ``loss_fn(module, *batch)``'s arguments, a dict or a tensor is one argument.
 
         Returns one record per epoch: train loss, samples/s, and eval loss/accuracy when given.
+
+        Example:
+            ```python
+            history = trainer.fit(data.digits("train"), epochs=2, eval_data=data.digits("test"))
+            history[-1]["train_loss"], history[-1]["eval_accuracy"]
+            ```
         """
         from tqdm.auto import tqdm
 
@@ -262,6 +315,11 @@ class Trainer:
         ``*ForCausalLM``) gets an unshifted, meaningless accuracy: ignore it there.
 
         Runs a captured inference graph (one segment; TANDEM_BULK_INFERENCE=0 bulks it like training).
+
+        Example:
+            ```python
+            trainer.evaluate(data.digits("test"))   # {"loss": 0.21, "accuracy": 0.95}
+            ```
         """
         self.sync()  # outstanding updates (local or from the servers) become the parameters first
         loss_sum, correct, total, batches = 0.0, 0, 0, 0
@@ -304,7 +362,14 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs: model, optimizer settings and state, step, epoch, RNG state."""
+        """Everything a resume needs: model, optimizer settings and state, step, epoch, RNG state.
+
+        Example:
+            ```python
+            state = trainer.state_dict()            # keys: format, model, optimizer, step, epoch, rng
+            trainer.load_state_dict(state)
+            ```
+        """
         self.sync()
         optimizer: dict[str, Any]
         if isinstance(self.optimizer, torch.optim.Optimizer):
@@ -340,15 +405,35 @@ class Trainer:
         torch.set_rng_state(state["rng"])
 
     def close(self) -> None:
-        """Finish outstanding communication and leave the parameter-server job (distributed only)."""
+        """Finish outstanding communication and leave the parameter-server job (distributed only).
+
+        Example:
+            ```python
+            trainer.fit(train_set, epochs=3)
+            trainer.close()                         # a worker says goodbye to the servers
+            ```
+        """
         self._update.close()
 
     def save(self, path: str) -> None:
-        """Write a checkpoint (model, optimizer state, step, epoch, RNG) that torch.load can read."""
+        """Write a checkpoint (model, optimizer state, step, epoch, RNG) that torch.load can read.
+
+        Example:
+            ```python
+            trainer.save("ckpt.pt")
+            ```
+        """
         torch.save(self.state_dict(), path)
 
     def load(self, path: str) -> None:
-        """Resume from save(): the run continues the trajectory it would have had without stopping."""
+        """Resume from save(): the run continues the trajectory it would have had without stopping.
+
+        Example:
+            ```python
+            trainer = tandem.Trainer(model, loss_fn, tandem.optim.SGD(lr=0.1))   # configured as when saved
+            trainer.load("ckpt.pt")
+            ```
+        """
         self.load_state_dict(torch.load(path, weights_only=True))
 
 
