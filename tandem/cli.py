@@ -288,8 +288,10 @@ def step_option_names() -> list[str]:
 
 def add_step_options(parser: argparse.ArgumentParser) -> None:
     """An option per ``StepConfig`` field (``--bulk-fwd`` for ``bulk_fwd``), generated from the dataclass:
-    its default, its docstring text as help, ``choices`` from the field's metadata; booleans get a
-    ``--no-`` form too. A field that already has a hand-written option keeps that one."""
+    its default, its docstring text as help, ``choices`` from the field's metadata or a ``Literal``
+    annotation; booleans get a ``--no-`` form too. A field that already has a hand-written option keeps
+    that one. (tests/unit/test_cli_help.py checks every field is documented and has its option.)"""
+    import types
     import typing
 
     from tandem.step import StepConfig
@@ -301,20 +303,23 @@ def add_step_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         if not f.init or flag in parser._option_string_actions:
             continue
-        if f.name not in docs:
-            raise TypeError(f"StepConfig.{f.name} has no text in StepConfig's docstring (Attributes:)")
-        kinds = set(typing.get_args(hints[f.name]) or (hints[f.name],)) - {type(None)}
-        option: dict[str, Any] = {"default": f.default, "help": docs[f.name].replace("%", "%%")}
+        text = docs.get(f.name, f"StepConfig.{f.name}")
+        option: dict[str, Any] = {"default": None if f.default is dataclasses.MISSING else f.default,
+                                  "help": text.replace("%", "%%")}  # fmt: skip
+        hint = hints[f.name]
+        kinds = set(typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,))
+        kinds.discard(type(None))
+        literals = {kind for kind in kinds if typing.get_origin(kind) is typing.Literal}
+        choices = f.metadata.get("choices") or [value for kind in literals for value in typing.get_args(kind)]
+        kinds = (kinds - literals) | {type(value) for value in choices}
         if kinds == {bool}:
             option["action"] = argparse.BooleanOptionalAction
         elif kinds == {str, float}:
             option["type"] = _mirror
         elif len(kinds) == 1 and next(iter(kinds)) in (int, float, str):
             option["type"] = next(iter(kinds))
-        else:
-            raise TypeError(f"StepConfig.{f.name}: no command-line type for {hints[f.name]}")
-        if "choices" in f.metadata:
-            option["choices"] = tuple(f.metadata["choices"])
+        if choices:
+            option["choices"] = tuple(choices)
         group.add_argument(flag, **option).help = option["help"]  # BooleanOptionalAction (3.11) appends a default
 
 

@@ -4,6 +4,9 @@ bad values are refused at parse time naming the valid set."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
+from typing import Literal
 
 import pytest
 
@@ -77,7 +80,7 @@ def test_step_options_follow_step_config() -> None:
     from tandem.cli import field_docs
     from tandem.step import StepConfig
 
-    actions, docs = _train_actions(), field_docs(StepConfig)
+    actions, docs, hints = _train_actions(), field_docs(StepConfig), typing.get_type_hints(StepConfig)
     for f in fields(StepConfig):
         if not f.init:
             continue
@@ -85,8 +88,10 @@ def test_step_options_follow_step_config() -> None:
         assert action is not None, f"StepConfig.{f.name} has no tandem train option"
         assert action.option_strings[0] == "--" + f.name.replace("_", "-")
         assert f.default is not MISSING and action.default == f.default, f"--{f.name}: default {action.default!r}"
-        if "choices" in f.metadata:  # the field's valid set
-            assert tuple(action.choices or ()) == tuple(f.metadata["choices"]), f"--{f.name}: choices differ"
+        literal = [a for a in (hints[f.name], *typing.get_args(hints[f.name])) if typing.get_origin(a) is Literal]
+        valid = f.metadata.get("choices") or [value for a in literal for value in typing.get_args(a)]
+        if valid:  # the field's valid set
+            assert tuple(action.choices or ()) == tuple(valid), f"--{f.name}: choices differ"
         for choice in action.choices or ():  # a hand-written option's choices: each one a value the field takes
             StepConfig(**{f.name: choice})
         assert f.name in docs and action.help, f"StepConfig.{f.name} is not documented in its docstring"
@@ -145,3 +150,31 @@ def test_step_options_reach_the_step_config() -> None:
     for bad, valid in ((["--mirror", "lots"], "memory-aware"), (["--bulk-fwd", "-2"], "int >= 0")):
         with pytest.raises(SystemExit, match=f"tandem train: .*{valid}"):
             main(["train", *bad])
+
+
+@dataclasses.dataclass
+class _Fields:
+    """A StepConfig with more kinds of field.
+
+    Attributes:
+        backend: what runs the segments.
+        level: how much (50% more).
+        fast: go fast.
+    """
+
+    backend: Literal["aten", "inductor"] = "aten"
+    level: int | None = dataclasses.field(default=None, metadata={"choices": (1, 2)})
+    fast: bool = False
+
+
+def test_a_new_step_config_field_gets_its_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tandem.step
+
+    monkeypatch.setattr(tandem.step, "StepConfig", _Fields)
+    actions = _train_actions()
+    assert (actions["backend"].choices, actions["backend"].default, actions["backend"].help) == (
+        ("aten", "inductor"), "aten", "what runs the segments.")
+    assert actions["level"].choices == (1, 2) and actions["level"].type is int
+    assert "50%" in _subcommands(build_parser())["train"].format_help()
+    args = build_parser().parse_args(["train", "--backend", "inductor", "--level", "2", "--fast"])
+    assert (args.backend, args.level, args.fast) == ("inductor", 2, True)
