@@ -40,6 +40,9 @@ _declare("TANDEM_BULK_INFERENCE", bool, True, "run inference graphs as one segme
 _declare("TANDEM_BULK_MAX_NODE_TRAIN", int, 15, "max op nodes per training segment (placeholders do not count)")
 _declare("TANDEM_BULK_MAX_NODE_TRAIN_FWD", int, -1, "forward cap; overrides TANDEM_BULK_MAX_NODE_TRAIN when >= 0")
 _declare("TANDEM_BULK_MAX_NODE_TRAIN_BWD", int, -1, "backward cap; overrides TANDEM_BULK_MAX_NODE_TRAIN when >= 0")
+# backend
+_declare("TANDEM_BACKEND", str, "aten",
+         "how segments become code: 'aten' (generated Python over aten ops) or 'inductor' (compiled kernels)")
 # mirroring
 _declare("TANDEM_MIRROR", str, "off", "backward mirroring policy: off, all, sqrt, memory-aware, a fraction, or '300MB'")
 # kvstore

@@ -11,8 +11,6 @@ one segment. The executor never re-plans: it runs what the passes decided.
 
 from __future__ import annotations
 
-import math
-import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,18 +20,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from tandem.backends import BACKENDS, aten
+from tandem.backends.inductor import InductorSegment
+from tandem.backends.program import Instruction
 from tandem.engine import Engine, Var, get_engine
 from tandem.graph.cost import tensor_values
 from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
 
 GradientHook = Callable[[str, torch.Tensor], None]
-
-
-@dataclass
-class Instruction:
-    slot: int
-    node: fx.Node
-    frees: list[int]  # slots whose last use is this instruction
 
 
 @dataclass
@@ -101,8 +95,11 @@ class MemoryStats:
 class Executor:
     """Holds the compiled program of one TrainGraph. Not thread-safe: one run at a time."""
 
-    def __init__(self, train_graph: TrainGraph) -> None:
+    def __init__(self, train_graph: TrainGraph, backend: str = "aten") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
         self.train_graph = train_graph
+        self.backend = backend
         placeholders = train_graph.placeholders
         self.num_inputs = len(placeholders)
         self._slot = {node: i for i, node in enumerate(placeholders)}
@@ -120,10 +117,33 @@ class Executor:
             read = {train_graph.canonical(param_names[a]) for i in segment.instructions
                     for a in i.node.all_input_nodes if a in param_names}
             segment.parameters = [n for n in train_graph.parameter_keys if n in read]  # tied: under the first name
-            segment.function = _generate(segment, self._slot)
+            segment.function = aten.generate(segment.index, segment.instructions, self._slot)
+        if backend == "inductor":
+            self._compile_segments(set(outputs))
         self.hooks: list[GradientHook] = []
         self.last_report: RunReport | None = None
         self._done = Var("step")  # every segment writes it: segments run in graph order
+
+    def _compile_segments(self, outputs: set[fx.Node]) -> None:
+        segment_of = {i.node: segment.index for segment in self.segments for i in segment.instructions}
+
+        def needed_after(node: fx.Node) -> bool:
+            return node in outputs or any(segment_of.get(user) != segment_of[node] for user in node.users)
+
+        for segment in self.segments:
+            segment.function = InductorSegment(segment.name, segment.instructions, self._slot, needed_after,
+                                               outputs, segment.function)
+
+    @property
+    def compiled(self) -> bool:
+        """True once every segment has its code: always for aten, after ``compile_run`` for inductor."""
+        return all(not isinstance(s.function, InductorSegment) or s.function.is_compiled for s in self.segments)
+
+    def compile_report(self) -> dict[str, Any]:
+        """Backend, seconds spent compiling, and the segments that fell back to aten (with why)."""
+        compiled = [s.function for s in self.segments if isinstance(s.function, InductorSegment)]
+        return {"backend": self.backend, "compile_s": sum(c.compile_seconds for c in compiled),
+                "fallbacks": {c.name: c.fallback_reason for c in compiled if c.fallback_reason is not None}}
 
     # -- planning the program ----------------------------------------------------------------
     def _segments(self, op_nodes: list[fx.Node], outputs: set[fx.Node]) -> list[Segment]:
@@ -182,9 +202,13 @@ class Executor:
             self._announce(segment, slots)
 
     def run_measured(self, inputs: Sequence[torch.Tensor], hooks: StepHooks = NO_HOOKS) -> tuple[list[Any], MemoryStats]:
-        """Like run(), interpreting node by node and counting live intermediate bytes."""
+        """Like run(), on the calling thread, measuring memory: the aten backend interprets node by node
+        counting live intermediate bytes; the inductor backend compiles what is not yet compiled, then
+        runs its kernels under the profiler's allocation events, which see the buffers inside them."""
         if hooks.before_measured_run is not None:
             hooks.before_measured_run()
+        if self.backend == "inductor":
+            return self._run_compiled_measured(inputs)
         slots = self.new_slots(inputs)
         meter = _MemoryMeter(inputs)
         held: dict[int, list[int]] = {}
@@ -209,6 +233,40 @@ class Executor:
             stats.saved_bytes = meter.live_bytes
         stats.peak_bytes, stats.live_bytes_at_end = meter.peak_bytes, meter.live_bytes
         stats.allocator_peak_bytes = allocator.peak_bytes()
+        return [slots[i] for i in self.output_slots], stats
+
+    def compile_run(self, inputs: Sequence[torch.Tensor], progress: Callable[[int, int, str], None] | None = None) -> None:
+        """Compile every segment by running the step once on the calling thread: each segment is
+        compiled for the inputs it actually receives (shapes, dtypes, the strides the segment before
+        it chose). ``progress(done, total, segment_name)`` runs after each segment."""
+        slots = self.new_slots(inputs)
+        accelerators = sorted({t.device.type for t in inputs if isinstance(t, torch.Tensor)} - {"cpu"})
+        # the random numbers this run draws (dropout) are drawn again by the step it precedes
+        with torch.no_grad(), torch.random.fork_rng(device_type=accelerators[0] if accelerators else "cuda",
+                                                    devices=[] if not accelerators else None):
+            for done, segment in enumerate(self.segments, 1):
+                segment.function(slots)
+                if progress is not None:
+                    progress(done, len(self.segments), segment.name)
+
+    def _run_compiled_measured(self, inputs: Sequence[torch.Tensor]) -> tuple[list[Any], MemoryStats]:
+        if not self.compiled:
+            self.compile_run(inputs)
+        slots = self.new_slots(inputs)
+        stats = MemoryStats()
+        allocator = _AllocatorPeak(inputs)
+        inputs_held = _MemoryMeter(inputs)
+        with torch.no_grad(), _AllocationEvents(inputs) as allocations:
+            for segment in self.segments:
+                if segment.phase == Phase.BACKWARD and not stats.saved_bytes:  # between kernels: only slots hold memory
+                    stats.saved_bytes = inputs_held.bytes_of(slots)
+                segment.function(slots)
+        stats.peak_bytes = allocations.peak_bytes()
+        stats.live_bytes_at_end = inputs_held.bytes_of(slots)
+        stats.saved_bytes = stats.saved_bytes or stats.live_bytes_at_end
+        stats.allocator_peak_bytes = allocator.peak_bytes()
+        for segment in self.segments:  # outside the measurement: what a hook allocates is not the step's
+            self._announce(segment, slots)
         return [slots[i] for i in self.output_slots], stats
 
     def _announce(self, segment: Segment, slots: list[Any]) -> None:
@@ -246,12 +304,49 @@ class _MemoryMeter:
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return keys
 
+    def bytes_of(self, values: Sequence[Any]) -> int:
+        """Bytes of the distinct storages in ``values`` that are not inputs (what these slots hold)."""
+        sizes = {_storage_key(t): t.untyped_storage().nbytes() for v in values for t in tensor_values(v)}
+        return sum(size for key, size in sizes.items() if key not in self._inputs and key != 0)
+
     def release(self, keys: list[int]) -> None:
         for key in keys:
             self._references[key] -= 1
             if self._references[key] == 0:  # the last slot holding this storage let go: freed
                 del self._references[key]
                 self.live_bytes -= self._sizes.pop(key)
+
+
+class _AllocationEvents:
+    """The peak of bytes allocated and not yet freed while inside, from the profiler's allocation
+    events: every allocation on the inputs' device counts, the buffers inside compiled kernels too."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
+        self.device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+
+    def __enter__(self) -> _AllocationEvents:
+        self.profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.profile.__exit__(*exc)
+
+    def peak_bytes(self) -> int:
+        from torch._C._profiler import _EventType
+
+        events, pending = [], list(self.profile.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
+        while pending:
+            event = pending.pop()
+            pending.extend(event.children)
+            if event.tag == _EventType.Allocation and event.extra_fields.device.type == self.device.type:
+                events.append((event.start_time_ns, event.extra_fields.alloc_size))
+        live = peak = 0
+        for _, size in sorted(events):  # frees are negative sizes
+            live += size
+            peak = max(peak, live)
+        return peak
 
 
 class _AllocatorPeak:
@@ -282,52 +377,3 @@ def _materialize(node: fx.Node, slots: list[Any], slot_of: dict[fx.Node, int]) -
         return slots[slot_of[arg]]
 
     return fx.node.map_arg(node.args, value), fx.node.map_arg(node.kwargs, value)
-
-
-# -- code generation ---------------------------------------------------------------------------
-
-
-def _direct_callable(target: Any) -> Any:
-    """An aten OpOverload's C++ entry point: calling it skips one Python frame (~0.3 us) per node."""
-    return getattr(target, "_op", target) if isinstance(target, torch._ops.OpOverload) else target
-
-
-def _generate(segment: Segment, slot_of: dict[fx.Node, int]) -> Callable[[list[Any]], None]:
-    """Straight-line Python for one segment: ``v[7] = aten_add(v[3], v[5]); v[3] = None``."""
-    constants: dict[str, Any] = {}
-
-    def constant(value: Any) -> str:
-        name = f"c{len(constants)}"
-        constants[name] = value
-        return name
-
-    def render(arg: Any) -> str:
-        if isinstance(arg, fx.Node):
-            return f"v[{slot_of[arg]}]"
-        if isinstance(arg, list):
-            return "[" + ", ".join(render(a) for a in arg) + "]"
-        if isinstance(arg, tuple):
-            return "(" + "".join(render(a) + ", " for a in arg) + ")"
-        if isinstance(arg, bool | int | str) or arg is None:
-            return repr(arg)
-        if isinstance(arg, float) and math.isfinite(arg):
-            return repr(arg)
-        return constant(arg)
-
-    lines = [f"def segment_{segment.index}(v):"]
-    for instruction in segment.instructions:
-        node = instruction.node
-        args = [render(a) for a in node.args] + [f"{k}={render(a)}" for k, a in node.kwargs.items()]
-        if node.target is operator.getitem:
-            call = f"{args[0]}[{args[1]}]"
-        else:
-            call = f"{constant(_direct_callable(node.target))}({', '.join(args)})"
-        lines.append(f"    v[{instruction.slot}] = {call}  # {node.name}")
-        lines.extend(f"    v[{slot}] = None" for slot in instruction.frees)
-    lines.append("    return None")
-    source = "\n".join(lines)
-    namespace: dict[str, Any] = dict(constants)
-    exec(compile(source, f"<tandem segment {segment.index}>", "exec"), namespace)  # noqa: S102
-    function = namespace[f"segment_{segment.index}"]
-    function.__tandem_source__ = source
-    return function

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.backends import BACKENDS
 from tandem.errors import BatchMismatchError
 from tandem.executor import NO_HOOKS, Executor, GradientHook, MemoryStats, StepHooks
 from tandem.graph.batch import BatchLayout
@@ -22,6 +24,7 @@ from tandem.graph.capture import LossFn, capture, capture_inference
 from tandem.graph.train_graph import TrainGraph
 from tandem.passes.config import PlanConfig
 from tandem.passes.manager import plan as plan_graph
+from tandem.progress import progress_options
 
 log = logging.getLogger("tandem")
 
@@ -41,6 +44,9 @@ class StepConfig:
         max_captures: captured graphs kept per step; beyond it the oldest is dropped.
         measure_memory: measure every step's memory, not only the first step of each captured shape.
         checkpoint_regions: recompute what the model wraps in ``torch.utils.checkpoint`` (False: ignore the wrapping).
+        backend: how segments become code: ``"aten"`` (generated Python over aten ops, exact) or
+            ``"inductor"`` (each segment compiled by PyTorch's inductor into fused kernels); None reads
+            ``TANDEM_BACKEND`` (default aten).
 
     Example:
         ```python
@@ -57,6 +63,7 @@ class StepConfig:
     max_captures: int = 8  # graphs kept per step before the oldest is dropped
     measure_memory: bool = False  # measure every step (the first step is always measured)
     checkpoint_regions: bool = True  # recompute what the model wraps in torch.utils.checkpoint (False: ignore)
+    backend: str | None = field(default=None, metadata={"choices": BACKENDS})  # None: TANDEM_BACKEND, default aten
     plan: PlanConfig = field(init=False, repr=False)  # what the passes read: the options above with the knobs resolved
 
     def __post_init__(self) -> None:
@@ -69,7 +76,8 @@ class StepConfig:
         if self.max_captures < 1:
             raise ValueError(f"max_captures must be >= 1, got {self.max_captures}")
         # resolved once, here: a bad mirror= is refused at tandem.compile / Trainer(...), and no pass reads the env
-        self.plan = PlanConfig.resolve(self.mirror, self.bulk, self.bulk_fwd, self.bulk_bwd, self.checkpoint_regions)
+        self.plan = PlanConfig.resolve(self.mirror, self.bulk, self.bulk_fwd, self.bulk_bwd, self.checkpoint_regions,
+                                       self.backend)
 
     def options(self) -> dict[str, Any]:
         """The options this config was made from (what ``from_options`` takes)."""
@@ -109,6 +117,7 @@ class _Compiled:
     graph: TrainGraph
     executor: Executor
     memory: MemoryStats | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # capture_s, plan_s
 
 
 @dataclass
@@ -153,6 +162,10 @@ class TrainStep:
         graph = compiled.graph
         inputs = graph.inputs(self.module, tensors)
         if compiled.memory is None or self.config.measure_memory:
+            if not compiled.executor.compiled:
+                if hooks.before_measured_run is not None:
+                    hooks.before_measured_run()  # the compile run reads the parameters: they must be final
+                _compile_with_progress(compiled.executor, inputs)
             outputs, compiled.memory = compiled.executor.run_measured(inputs, hooks)
         else:
             outputs = compiled.executor.run(inputs, hooks=hooks)
@@ -188,6 +201,23 @@ class TrainStep:
             "num_segments": len(compiled.executor.segments),
             **graph.notes.get("memory", {}),
         }
+
+    def compile_report(self) -> dict[str, Any]:
+        """Where the first call's time went, for the most recent batch layout.
+
+        Keys: ``backend``, ``capture_s`` (tracing the module and its backward), ``plan_s`` (the
+        passes), ``compile_s`` (the inductor backend compiling its segments; 0 for aten), and
+        ``fallbacks`` (segment -> why it runs its aten code: inductor could not compile it).
+
+        Example:
+            ```python
+            step = tandem.compile(model, loss_fn, x, y, backend="inductor")
+            step(x, y)
+            print(step.compile_report())   # {'backend': 'inductor', 'capture_s': 1.2, 'compile_s': 9.8, ...}
+            ```
+        """
+        compiled = self._last or next(iter(self._compiled.values()))
+        return {**compiled.executor.compile_report(), **compiled.seconds}
 
     @property
     def graph(self) -> TrainGraph:
@@ -240,10 +270,14 @@ class TrainStep:
         return self._capture(batch, key)
 
     def _capture(self, batch: Sequence[Any], key: BatchLayout) -> _Compiled:
-        graph = plan_graph(self._trace(batch), self.config.plan)
-        executor = Executor(graph)
+        start = time.perf_counter()
+        traced = self._trace(batch)
+        captured = time.perf_counter()
+        graph = plan_graph(traced, self.config.plan)
+        executor = Executor(graph, self.config.plan.backend)
         executor.hooks = self._hooks
         compiled = self._compiled[key] = _Compiled(graph, executor)
+        compiled.seconds = {"capture_s": captured - start, "plan_s": time.perf_counter() - captured}
         return compiled
 
     def _trace(self, batch: Sequence[Any]) -> TrainGraph:
@@ -258,6 +292,22 @@ class TrainStep:
             for name, value in zip(graph.buffer_updates, outputs[1 + count :]):
                 buffers[name].copy_(value)  # BatchNorm running stats: written back like eager
         return StepResult(loss=loss, grads=grads)
+
+
+def _compile_with_progress(executor: Executor, inputs: Sequence[Any]) -> None:
+    """Compile every segment (the inductor backend), with a progress bar: cold, this takes seconds to minutes."""
+    from tqdm import tqdm
+
+    with tqdm(total=len(executor.segments), desc=f"tandem: compiling segments ({executor.backend})", unit="segment",
+              leave=False, **progress_options()) as bar:
+        def advance(done: int, total: int, name: str) -> None:
+            bar.set_postfix_str(name)
+            bar.update()
+
+        executor.compile_run(inputs, progress=advance)
+    report = executor.compile_report()
+    log.info("tandem: compiled %d segments with %s in %.1f s", len(executor.segments), executor.backend,
+             report["compile_s"])
 
 
 @dataclass

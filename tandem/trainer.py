@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +29,8 @@ from tandem.graph.batch import as_arguments, batch_size_of
 from tandem.graph.capture import LossFn
 from tandem.kvstore.compression import GradientCompression
 from tandem.kvstore.config import KVStoreConfig
+from tandem.passes.config import resolve_caps
+from tandem.progress import progress_options
 from tandem.step import EvalStep, StepConfig, StepResult, TrainStep, compile_eval
 from tandem.step import compile as compile_step
 from tandem.update import DistributedUpdate, LocalUpdate, OptimizerApply, Update
@@ -67,6 +68,12 @@ class TrainerConfig:
             raise ValueError(f"unknown kvstore {self.kvstore!r}; choose one of {list(KINDS)} (or None: local)")
         else:  # resolved once, here: a bad kvstore option is refused at Trainer(...), before the job is joined
             self.store = KVStoreConfig.resolve(self.kvstore or "local", **(self.kvstore_options or {}))
+        if self.store.distributed and self.step.plan.backend == "inductor" and self.step.bulk_fwd is None \
+                and self.step.bulk_bwd is None:
+            # each gradient is sent as its backward segment ends and (P3) each forward segment starts
+            # when its parameters are back: compiled segments keep the aten caps' boundaries
+            caps = resolve_caps(self.step.bulk, None, None)
+            self.step = dataclasses.replace(self.step, bulk_fwd=caps.forward, bulk_bwd=caps.backward)
         if self.communication not in ("auto", *MODES):
             raise ValueError(f"unknown communication {self.communication!r}; choose one of {['auto', *MODES]}")
         if GradientCompression.parse(self.gradient_compression).enabled and not self.store.distributed:
@@ -278,7 +285,7 @@ class Trainer:
         for _ in range(epochs):
             batches = self._batches(train_data, train=True)
             bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", disable=not self.config.progress, leave=False,
-                       **_progress_options())
+                       **progress_options())
             samples, loss_sum, count, start = 0, 0.0, 0, time.perf_counter()
             for item in bar:
                 batch = as_arguments(item)
@@ -435,36 +442,6 @@ class Trainer:
             ```
         """
         self.load_state_dict(torch.load(path, weights_only=True))
-
-
-PROGRESS_LINE_SECONDS = 5.0  # off a terminal, the progress bar is printed as a new line this often
-
-
-class _ProgressLines:
-    """A stream for tqdm off a terminal (a log file, or `tandem launch`, which prefixes its workers'
-    output line by line): each redraw of the bar becomes a line of its own, and clearing it (only
-    ``\\r`` and spaces) writes nothing; a terminal redraws the bar in place instead."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.encoding = getattr(stream, "encoding", None)  # tqdm draws unicode blocks only for a utf-8 stream
-
-    def write(self, text: str) -> int:
-        line = text.replace("\r", "").rstrip()
-        if line:
-            self.stream.write(line + "\n")
-        return len(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def _progress_options() -> dict[str, Any]:
-    """tqdm's options: the live bar on a terminal; elsewhere a line every PROGRESS_LINE_SECONDS."""
-    stream = sys.stderr
-    if stream is None or stream.isatty():
-        return {}
-    return {"file": _ProgressLines(stream), "mininterval": PROGRESS_LINE_SECONDS}
 
 
 IGNORE_INDEX = -100  # targets not counted by evaluate's accuracy (cross_entropy's default ignore_index)

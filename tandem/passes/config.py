@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from tandem.backends import BACKENDS
 from tandem.env import is_set, knob
 
 NAMED_POLICIES = ("off", "all", "sqrt", "memory-aware")
@@ -79,10 +80,13 @@ class BulkCaps:
                 raise ValueError(f"{name} bulk cap must be >= 1 op node, got {value}")
 
 
-def resolve_caps(bulk: bool | None, bulk_fwd: int | None, bulk_bwd: int | None) -> BulkCaps:
-    """Explicit options beat TANDEM_BULK_* env knobs; bulking off (or a cap of 0) means one node per segment."""
+def resolve_caps(bulk: bool | None, bulk_fwd: int | None, bulk_bwd: int | None, default: int | None = None) -> BulkCaps:
+    """Explicit options beat TANDEM_BULK_* env knobs; bulking off (or a cap of 0) means one node per segment.
+
+    ``default`` is the cap where neither an option nor a knob sets one (None: TANDEM_BULK_MAX_NODE_TRAIN's default).
+    """
     enabled = knob("TANDEM_BULK_TRAIN") if bulk is None else bulk
-    shared = knob("TANDEM_BULK_MAX_NODE_TRAIN")
+    shared = knob("TANDEM_BULK_MAX_NODE_TRAIN") if default is None or is_set("TANDEM_BULK_MAX_NODE_TRAIN") else default
 
     def cap(explicit: int | None, env_name: str) -> int:
         if not enabled:
@@ -101,12 +105,25 @@ class PlanConfig:
     caps: BulkCaps = BulkCaps(WHOLE, WHOLE)  # op nodes per forward / backward segment
     whole_inference: bool = True  # an inference graph runs as one segment
     checkpoint_regions: bool = True  # recompute what the model wrapped in torch.utils.checkpoint
+    backend: str = "aten"  # how segments become code (tandem.backends)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {list(BACKENDS)}")
 
     @staticmethod
     def resolve(mirror: str | float | MirrorPolicy | None = None, bulk: bool | None = None,
                 bulk_fwd: int | None = None, bulk_bwd: int | None = None,
-                checkpoint_regions: bool = True) -> PlanConfig:
-        """Explicit values beat the knobs (TANDEM_MIRROR, TANDEM_BULK_*); None takes the knob."""
+                checkpoint_regions: bool = True, backend: str | None = None) -> PlanConfig:
+        """Explicit values beat the knobs (TANDEM_MIRROR, TANDEM_BULK_*, TANDEM_BACKEND); None takes the knob.
+
+        With the inductor backend a phase is one segment unless a cap is given: a compiled unit fuses
+        more the larger it is, and only gradient hooks (a distributed update) need boundaries, which
+        ``Trainer`` asks for by passing the caps.
+        """
         policy = mirror if isinstance(mirror, MirrorPolicy) else MirrorPolicy.parse(mirror)
-        return PlanConfig(policy, resolve_caps(bulk, bulk_fwd, bulk_bwd), knob("TANDEM_BULK_INFERENCE"),
-                          checkpoint_regions)
+        backend = knob("TANDEM_BACKEND") if backend is None else backend
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+        caps = resolve_caps(bulk, bulk_fwd, bulk_bwd, default=WHOLE if backend == "inductor" else None)
+        return PlanConfig(policy, caps, knob("TANDEM_BULK_INFERENCE"), checkpoint_regions, backend)

@@ -21,10 +21,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the root package resolves its attributes lazily (importlib); env and errors import nothing of
     # tandem. torchvision_compat is library code (the models' transformers wrapper needs it) that
     # still lives under testing/, whose package is a docstring: both leaves, here
-    ("foundation", ("tandem", "tandem.env", "tandem.errors", "tandem.testing", "tandem.testing.torchvision_compat")),
+    ("foundation", ("tandem", "tandem.env", "tandem.errors", "tandem.progress", "tandem.testing", "tandem.testing.torchvision_compat")),
     ("trace", ("tandem.trace",)),  # the timeline the engine, the kvstore and the updates record into
     ("engine", ("tandem.engine.*",)),
     ("graph", ("tandem.graph.*",)),
+    ("backends", ("tandem.backends.*",)),  # how a segment becomes code (aten, inductor)
     ("passes", ("tandem.passes.*",)),
     ("executor", ("tandem.executor",)),
     ("step", ("tandem.step",)),

@@ -13,8 +13,8 @@ from torch.utils.data import Subset, TensorDataset
 from tandem import cli, models
 from tandem.data import loader, pydoc_text
 from tandem.models.library import LibraryEntry, positions
+from tandem.progress import _ProgressLines
 from tandem.testing.torchvision_compat import ensure_importable
-from tandem.trainer import _ProgressLines
 
 ensure_importable()  # before importorskip imports transformers (it imports torchvision)
 

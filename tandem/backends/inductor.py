@@ -1,0 +1,135 @@
+"""The inductor backend: each segment compiled by PyTorch's inductor into fused kernels.
+
+A segment's nodes become one fx graph, ``inputs -> outputs``: its inputs are the values it reads
+from earlier segments (or the step's inputs), its outputs the values a later segment or the step's
+result reads. Inductor sees the whole segment, so pointwise chains and the values the mirror pass
+recomputes in a backward segment fuse into the kernels that consume them. Segment boundaries, and
+with them the gradient-ready hooks, the engine ops and P3's per-segment sends, stay where the
+passes put them.
+
+Compiled on first call, from that call's actual inputs: the strides a compiled segment returns
+(channels-last activations, say) are the strides the next segment is compiled for. The inputs are
+passed as one list that the compiled code empties, so an activation whose last use is inside the
+segment is freed as soon as its kernel has read it, not when the segment ends.
+
+A segment inductor cannot compile runs its aten code instead, with one warning naming the op.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tandem.backends.program import Instruction
+
+SegmentFunction = Callable[[list[Any]], None]
+
+# fallback_random: random ops call aten, so dropout draws eager's numbers from eager's generator.
+# keep_output_stride off: a value passed to a later segment keeps the layout inductor chose for it
+# (channels-last conv activations: convolution_backward is ~25% faster on them on the CPU).
+OPTIONS: dict[str, Any] = {"fallback_random": True, "keep_output_stride": False}
+
+
+class InductorSegment:
+    """One segment's compiled kernels, called as ``segment(slots)`` like the aten backend's function.
+
+    Not thread-safe while compiling: the executor compiles every segment on the calling thread
+    (``compile_run``) before the engine runs any of them.
+    """
+
+    def __init__(self, name: str, instructions: Sequence[Instruction], slot_of: dict[fx.Node, int],
+                 needed_after: Callable[[fx.Node], bool], step_outputs: set[fx.Node],
+                 aten_function: SegmentFunction) -> None:
+        self.name = name
+        self.nodes = [i.node for i in instructions]
+        inside = set(self.nodes)
+        inputs: dict[fx.Node, None] = {}
+        for node in self.nodes:
+            inputs.update((a, None) for a in node.all_input_nodes if a not in inside)
+        self.inputs = list(inputs)
+        self.outputs = [n for n in self.nodes if needed_after(n)]
+        self.input_slots = [slot_of[n] for n in self.inputs]
+        self.output_slots = [slot_of[n] for n in self.outputs]
+        freed = {slot for i in instructions for slot in i.frees}
+        self.donated = [s for s in self.input_slots if s in freed]  # last read here: the kernels free them
+        # a step output (gradient, loss) leaves in eager's contiguous layout
+        self.step_output_positions = [k for k, n in enumerate(self.outputs) if n in step_outputs]
+        self.aten_function = aten_function
+        self.compiled: Callable[[list[Any]], Sequence[Any]] | None = None
+        self.fallback_reason: str | None = None
+        self.compile_seconds = 0.0
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.compiled is not None or self.fallback_reason is not None
+
+    def __call__(self, slots: list[Any]) -> None:
+        if self.fallback_reason is not None:
+            self.aten_function(slots)
+            return
+        args = [slots[s] for s in self.input_slots]
+        if self.compiled is None:
+            self.compile(args)
+            if self.fallback_reason is not None:
+                self.aten_function(slots)
+                return
+        assert self.compiled is not None
+        for slot in self.donated:
+            slots[slot] = None  # the list below holds the only reference: freed inside, after its last read
+        results = self.compiled(args)
+        for slot, value in zip(self.output_slots, results):
+            slots[slot] = value
+        for k in self.step_output_positions:
+            value = slots[self.output_slots[k]]
+            if isinstance(value, torch.Tensor) and not value.is_contiguous():
+                slots[self.output_slots[k]] = value.contiguous()
+
+    def compile(self, example_inputs: list[Any]) -> None:
+        """Compile with inductor for these inputs' shapes, strides and dtypes; on failure fall back to aten."""
+        start = time.perf_counter()
+        try:
+            boxed_inputs: list[Any] = [list(example_inputs)]  # one argument, the list the compiled code empties
+            self.compiled = torch._inductor.compile(self.graph_module(), boxed_inputs, options=OPTIONS)
+        except Exception as error:  # any compiler failure: this segment runs its exact aten code
+            self.fallback_reason = f"{_failing_op(self.nodes, error)}: {_first_line(error)}"
+            warnings.warn(f"tandem: inductor could not compile segment {self.name} ({self.fallback_reason}); "
+                          "that segment runs its aten code instead", RuntimeWarning, stacklevel=2)
+        self.compile_seconds = time.perf_counter() - start
+
+    def graph_module(self) -> fx.GraphModule:
+        """The segment as ``forward(inputs: list) -> tuple``; the list is handed over (``steal_arg``)."""
+        graph = fx.Graph()
+        boxed = graph.placeholder("inputs")
+        boxed.meta["steal_arg"] = True  # inductor's wrapper empties the caller's list
+        env: dict[fx.Node, fx.Node] = {}
+        for k, node in enumerate(self.inputs):
+            env[node] = graph.call_function(operator.getitem, (boxed, k))
+            env[node].meta = {"val": node.meta["val"]} if "val" in node.meta else {}
+        for node in self.nodes:
+            env[node] = graph.node_copy(node, lambda arg: env[arg])
+        graph.output(tuple(env[n] for n in self.outputs))
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _failing_op(nodes: Sequence[fx.Node], error: BaseException) -> str:
+    """The op the compiler names in its error (inductor puts the target in the message), else the segment's ops."""
+    text = str(error)
+    named = [n for n in nodes if n.op == "call_function" and _op_name(n.target) in text]
+    if named:
+        return f"op {_op_name(named[0].target)} at node {named[0].name}"
+    return "ops " + ", ".join(sorted({_op_name(n.target) for n in nodes if n.target is not operator.getitem}))
+
+
+def _op_name(target: Any) -> str:
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
