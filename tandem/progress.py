@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, TextIO
 
+_CURSOR_MOVES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 PROGRESS_LINE_SECONDS = 5.0  # off a terminal, the progress bar is printed as a new line this often
 
 
@@ -18,7 +20,7 @@ class _ProgressLines:
         self.encoding = getattr(stream, "encoding", None)  # tqdm draws unicode blocks only for a utf-8 stream
 
     def write(self, text: str) -> int:
-        line = text.replace("\r", "").rstrip()
+        line = _CURSOR_MOVES.sub("", text.replace("\r", "")).rstrip()  # a nested bar moves the cursor: not in a log
         if line:
             self.stream.write(line + "\n")
         return len(text)

@@ -79,5 +79,6 @@ def test_progress_bar_off_a_terminal_is_one_line_per_redraw() -> None:
     lines.write("\repoch 1:  10%|#  | 1/10 [loss=2.5]   ")
     lines.write("\r" + " " * 20 + "\r")  # tqdm clearing the bar (leave=False) writes nothing
     lines.write("\repoch 1:  20%|## | 2/10 [loss=2.4]")
+    lines.write("\x1b[A\x1b[A")  # a nested bar (compiling segments) moving the cursor: nothing in a log
     lines.flush()
     assert stream.getvalue() == "epoch 1:  10%|#  | 1/10 [loss=2.5]\nepoch 1:  20%|## | 2/10 [loss=2.4]\n"
