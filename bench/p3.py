@@ -22,7 +22,8 @@ Reproduce: .venv/bin/python bench/p3.py   (options: --models, --rates, --runs, -
 Writes bench/out/p3.png, bench/out/p3.md and bench/out/p3_sweep.md. With ``--compression``: p3-auto
 with and without gradient compression (``p3-auto+fp16``, ``p3-auto+2bit``) at ``--compression-rate``
 instead, written to bench/out/p3_compression_<update>.md (``--update servers|workers``: where the
-optimizer runs; on the workers the pulled sums travel compressed too).
+optimizer runs; on the workers the pulled sums travel compressed too). With ``--backends``: p3 with
+the aten and the inductor segment backend side by side, written to bench/out/p3_backend.md.
 """
 
 from __future__ import annotations
@@ -334,6 +335,31 @@ def compression_table(args: argparse.Namespace) -> None:
     print(f"\n{note}\n{table}\n\nwritten {report}\nreproduce: {command_line()}")
 
 
+BACKENDS = ("aten", "inductor")
+
+
+def backend_table(args: argparse.Namespace) -> None:
+    """p3 with each segment backend, side by side per model and link rate: compiled segments must not
+    cost overlap (samples/s should move with the compute time, never below aten's at a shaped link)."""
+    rows = []
+    for model in args.models:
+        batch = MODELS[model][2] * WORKERS
+        for rate in args.rates:
+            measured = {backend: run_tandem(model, "p3", rate, args.runs, args.steps, {"TANDEM_BACKEND": backend})
+                        for backend in BACKENDS}  # fmt: skip
+            aten, inductor = measured["aten"], measured["inductor"]
+            rows.append([model, rate, batch / aten["seconds"], batch / inductor["seconds"],
+                         aten["seconds"] / inductor["seconds"], aten["compute"] * 1e3, inductor["compute"] * 1e3])
+            print(rows[-1], flush=True)
+    table = markdown_table(["model", "link", "aten samples/s", "inductor samples/s", "inductor / aten",
+                            "aten compute ms", "inductor compute ms"], rows)  # fmt: skip
+    note = (f"p3 (dist_p3, 40k-element slices, water mark 10), {WORKERS} workers + {SERVERS} servers, one torch "
+            f"thread each, median of {args.runs} runs x {args.steps} steps; compute: the same step without "
+            "communication, interleaved with the measured runs")  # fmt: skip
+    report = write_report("p3_backend", f"{note}\n\n{table}")
+    print(f"\n{note}\n{table}\n\nwritten {report}\nreproduce: {command_line()}")
+
+
 def _plot(throughput: dict[tuple[str, str], dict[str, float]], args: argparse.Namespace) -> None:
     import matplotlib
 
@@ -379,11 +405,16 @@ def main() -> None:
     parser.add_argument("--compression-rate", default="100mbit")
     parser.add_argument("--update", default="servers", choices=["servers", "workers"],
                         help="--compression: where the optimizer runs (workers: pulls carry sums, compressed too)")
+    parser.add_argument("--backends", action="store_true",
+                        help="instead of the main table: p3 with the aten and the inductor segment backend")
     args = parser.parse_args()
     if args.runs < 5:
         parser.error("--runs must be >= 5 (medians of at least 5 runs)")
     if args.compression:
         compression_table(args)
+        return
+    if args.backends:
+        backend_table(args)
         return
     main_bench(args)
 
