@@ -1,10 +1,12 @@
-"""Runs a planned TrainGraph: one generated Python function per segment, values in numbered slots.
+"""Runs a planned TrainGraph: one function per segment (from a backend), values in numbered slots.
 
 Every node gets a slot; a node's slot is cleared right after its last use, which is where its
 memory is freed (unless a caller still holds it). The same program runs two ways:
-  - generated code (the fast path): straight-line aten calls, one function per segment;
-  - the measuring interpreter: the same calls and frees, counting the bytes of live
-    intermediate storages, so ``peak_bytes`` is measured while executing, not estimated.
+  - segment functions (the fast path), made by a backend (tandem.backends): straight-line aten
+    calls (aten), or a segment's compiled kernels (inductor);
+  - a measured run: for aten, an interpreter making the same calls and frees while counting the
+    bytes of live intermediate storages; for inductor, the kernels under the profiler's
+    allocation events. Either way ``peak_bytes`` is measured while executing, not estimated.
 Segments come from ``node.meta[MetaKey.SEGMENT]`` (the bulking pass); without it the whole graph is
 one segment. The executor never re-plans: it runs what the passes decided.
 """
@@ -256,14 +258,15 @@ class Executor:
         stats = MemoryStats()
         allocator = _AllocatorPeak(inputs)
         inputs_held = _MemoryMeter(inputs)
+        saved: int | None = None
         with torch.no_grad(), _AllocationEvents(inputs) as allocations:
             for segment in self.segments:
-                if segment.phase == Phase.BACKWARD and not stats.saved_bytes:  # between kernels: only slots hold memory
-                    stats.saved_bytes = inputs_held.bytes_of(slots)
+                if segment.phase == Phase.BACKWARD and saved is None:  # between kernels: only slots hold memory
+                    saved = inputs_held.bytes_of(slots)
                 segment.function(slots)
         stats.peak_bytes = allocations.peak_bytes()
         stats.live_bytes_at_end = inputs_held.bytes_of(slots)
-        stats.saved_bytes = stats.saved_bytes or stats.live_bytes_at_end
+        stats.saved_bytes = stats.live_bytes_at_end if saved is None else saved
         stats.allocator_peak_bytes = allocator.peak_bytes()
         for segment in self.segments:  # outside the measurement: what a hook allocates is not the step's
             self._announce(segment, slots)
@@ -319,7 +322,8 @@ class _MemoryMeter:
 
 class _AllocationEvents:
     """The peak of bytes allocated and not yet freed while inside, from the profiler's allocation
-    events: every allocation on the inputs' device counts, the buffers inside compiled kernels too."""
+    events: every allocation on the inputs' device counts, the buffers inside compiled kernels too.
+    The profiler records the calling thread (the measured run's), not the engine's or kvstore's."""
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
         devices = {t.device for t in inputs if isinstance(t, torch.Tensor)}
