@@ -1,0 +1,204 @@
+"""backend="inductor": each planned segment compiled by PyTorch's inductor (issue #28).
+
+* numerics: 10 ``Trainer`` steps of every zoo model equal eager ``torch.optim`` within float32
+  tolerance (dropout draws eager's numbers: the backend keeps inductor's ``fallback_random``);
+* structure: a phase is one compiled segment without caps, the aten boundaries with them, and a
+  gradient hook fires once per gradient per step, the first (compiling) step included;
+* memory: ``peak_bytes`` is measured (profiler allocation events), near the aten backend's, and
+  mirroring lowers it;
+* bad input: a segment inductor cannot lower runs its aten code, with one warning naming the op.
+
+Compiling is the slow part (seconds per segment, cold): the tests keep to the tiny zoo configs and
+few segments.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import tandem
+from tandem import optim
+from tandem.graph.train_graph import Phase
+from tandem.trainer import TrainerConfig
+from tests.conftest import zoo_case
+
+STEPS = 10
+RTOL, ATOL = 1e-4, 1e-5  # float32: the conformance suite's tolerance
+LR, MOMENTUM = 0.1, 0.9
+
+
+def _segment_nodes(step: tandem.TrainStep) -> list[tuple[str, list[str]]]:
+    return [(s.phase, [i.node.name for i in s.instructions]) for s in step.executor.segments]
+
+
+# -- numerics --------------------------------------------------------------------------------
+
+
+def test_ten_trainer_steps_match_eager(zoo_name: str) -> None:
+    module, loss_fn, batch = zoo_case(zoo_name, torch.float32)
+    reference = copy.deepcopy(module)
+    trainer = tandem.Trainer(module, loss_fn, optim.SGD(lr=LR, momentum=MOMENTUM), backend="inductor", progress=False)
+    torch.manual_seed(5)  # gpt's dropout: both sides draw the same masks from the same generator
+    losses = [trainer.step(*batch) for _ in range(STEPS)]
+    assert trainer.train_step.compile_report()["fallbacks"] == {}, "every segment compiled"
+
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    torch.manual_seed(5)
+    expected = []
+    for _ in range(STEPS):
+        torch_optimizer.zero_grad()
+        loss = loss_fn(reference, *batch)
+        loss.backward()
+        torch_optimizer.step()
+        expected.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=ATOL)
+    ours = module.state_dict()
+    for name, value in reference.state_dict().items():  # parameters, and BatchNorm's running stats
+        torch.testing.assert_close(ours[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -- structure -------------------------------------------------------------------------------
+
+
+def test_a_phase_is_one_segment_without_caps_and_the_aten_boundaries_with_them() -> None:
+    module, loss_fn, batch = zoo_case("lstm_lm", torch.float32)
+    whole = tandem.compile(module, loss_fn, *batch, backend="inductor")
+    assert [phase for phase, _ in _segment_nodes(whole)] == [Phase.FORWARD, Phase.BACKWARD]
+    capped = tandem.compile(module, loss_fn, *batch, backend="inductor", bulk_fwd=4, bulk_bwd=9)
+    aten = tandem.compile(module, loss_fn, *batch, backend="aten", bulk_fwd=4, bulk_bwd=9)
+    assert len(capped.executor.segments) > 2
+    assert _segment_nodes(capped) == _segment_nodes(aten)
+    assert not capped.executor.compiled, "compiled on the first call, not at capture"
+
+
+def test_a_distributed_trainer_keeps_the_aten_caps() -> None:
+    aten = TrainerConfig.from_options({"kvstore": "dist_sync"}).step.plan.caps
+    inductor = TrainerConfig.from_options({"kvstore": "dist_sync", "backend": "inductor"}).step
+    assert inductor.plan.backend == "inductor" and inductor.plan.caps == aten
+    alone = TrainerConfig.from_options({"backend": "inductor"}).step.plan.caps
+    assert alone != aten, "training alone, a phase is one compiled unit"
+
+
+def test_gradient_hooks_fire_once_per_gradient_per_step_from_the_compiling_step_on() -> None:
+    module, loss_fn, batch = zoo_case("mlp", torch.float32)
+    step = tandem.compile(module, loss_fn, *batch, backend="inductor", bulk_fwd=3, bulk_bwd=2)
+    seen: dict[str, list[torch.Tensor]] = {}
+    step.add_gradient_hook(lambda name, grad: seen.setdefault(name, []).append(grad.clone()))
+    results = []
+    for count in (1, 2, 3):  # the first call compiles, then runs the measured step; then the engine path
+        results.append(step(*batch))
+        assert sorted(seen) == sorted(results[-1].grads)
+        assert all(len(grads) == count for grads in seen.values()), {n: len(g) for n, g in seen.items()}
+    assert sum(1 for s in step.executor.segments if s.gradients) > 1, "gradients end in several segments"
+    for name, grads in seen.items():
+        for result, grad in zip(results, grads):
+            assert torch.equal(grad, result.grads[name]), name  # the hook saw the step's gradient
+
+
+def test_compile_report() -> None:
+    module, loss_fn, batch = zoo_case("mlp", torch.float32)
+    step = tandem.compile(module, loss_fn, *batch, backend="inductor")
+    before = step.compile_report()
+    assert set(before) == {"backend", "compile_s", "fallbacks", "capture_s", "plan_s"}
+    assert before["compile_s"] == 0 and before["fallbacks"] == {}
+    step(*batch)
+    after = step.compile_report()
+    assert after["backend"] == "inductor" and after["compile_s"] > 0 and after["fallbacks"] == {}
+    assert tandem.compile(module, loss_fn, *batch).compile_report()["compile_s"] == 0  # aten compiles nothing
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+def test_peak_is_measured_and_mirroring_lowers_it() -> None:
+    module, loss_fn, batch = zoo_case("gpt", torch.float32, batch_size=32)
+    peaks, reports = {}, {}
+    for backend, mirror in (("aten", "off"), ("inductor", "off"), ("inductor", "memory-aware"), ("inductor", 0.5)):
+        step = tandem.compile(module, loss_fn, *batch, backend=backend, mirror=mirror)
+        torch.manual_seed(1)
+        step(*batch)
+        reports[backend, mirror] = step.memory_report()
+        peaks[backend, mirror] = reports[backend, mirror]["peak_bytes"]
+    off = peaks["inductor", "off"]
+    assert off > 0
+    assert peaks["aten", "off"] / 4 < off < peaks["aten", "off"] * 4, peaks
+    # measured from the kernels' allocations, not the planner's estimate of the aten ops
+    assert off != reports["inductor", "off"]["estimated_peak_bytes"], reports["inductor", "off"]
+    assert reports["inductor", "memory-aware"]["mirrored"] > 0
+    assert peaks["inductor", "memory-aware"] < off, peaks
+    assert peaks["inductor", 0.5] < off, peaks
+
+
+# -- a segment inductor cannot compile --------------------------------------------------------
+
+
+@torch.library.custom_op("tandem_test::shift", mutates_args=())
+def shift(x: torch.Tensor) -> torch.Tensor:
+    """x + 1 as a custom op: capture traces it through its fake kernel, eager runs this one."""
+    return x + 1.0
+
+
+@shift.register_fake
+def _shift_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@pytest.fixture
+def shift_cannot_be_lowered() -> Iterator[torch._ops.OpOverload]:
+    """An inductor lowering for tandem_test::shift that fails, as a lowering does for an op it cannot handle."""
+    from torch._inductor import lowering
+
+    op = torch.ops.tandem_test.shift.default
+    before = dict(lowering.lowerings)
+
+    @lowering.register_lowering(op, type_promotion_kind=None)
+    def _refuse(x: object) -> object:
+        raise NotImplementedError("tandem_test: no kernel for this op")
+
+    try:
+        yield op
+    finally:
+        for key in set(lowering.lowerings) - set(before):
+            del lowering.lowerings[key]
+
+
+class Shifted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(shift(x))))
+
+
+def _shifted_loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x).pow(2).sum()
+
+
+def test_a_segment_inductor_cannot_compile_runs_its_aten_code(shift_cannot_be_lowered: torch._ops.OpOverload) -> None:
+    torch.manual_seed(0)
+    module, x = Shifted(), torch.randn(4, 8)
+    aten = tandem.compile(module, _shifted_loss, x, backend="aten")
+    expected = aten(x)
+    step = tandem.compile(module, _shifted_loss, x, backend="inductor")
+    with warnings.catch_warnings(record=True) as caught, torch._inductor.config.patch(fx_graph_cache=False):
+        warnings.simplefilter("always")
+        results = [step(x) for _ in range(3)]
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    assert str(shift_cannot_be_lowered) in messages[0] and "forward[0]" in messages[0], messages
+    fallbacks = step.compile_report()["fallbacks"]
+    assert list(fallbacks) == ["forward[0]"] and str(shift_cannot_be_lowered) in fallbacks["forward[0]"]
+    # nothing else changes: the same segments, the backward compiled, the results aten's
+    assert _segment_nodes(step) == _segment_nodes(tandem.compile(module, _shifted_loss, x, backend="inductor"))
+    for result in results:
+        assert torch.equal(result.loss, expected.loss), "the loss comes from the forward segment's aten code"
+        assert set(result.grads) == set(expected.grads)
+        for name, grad in expected.grads.items():
+            torch.testing.assert_close(result.grads[name], grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
