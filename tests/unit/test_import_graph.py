@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("trainer", ("tandem.trainer",)),
     ("netns", ("tandem.netns",)),
     ("launch", ("tandem.launch",)),
+    ("planner", ("tandem.planner.*",)),  # tandem plan: profiles a step, simulates a cluster, runs jobs to validate
     ("cli", ("tandem.cli", "tandem.__main__")),
     ("testing", ("tandem.testing.*",)),  # test helpers: nothing in the library imports them
 ]

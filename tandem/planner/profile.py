@@ -1,0 +1,163 @@
+"""One profiled training step: what ``tandem plan`` simulates, saved as JSON and checked when read back.
+
+A profile holds, in forward order, every parameter the step sends (name, elements, bytes), and per
+segment of the executor (``tandem.executor.Segment``): its phase, its median seconds over timed runs
+on the calling thread, the parameters it reads and those whose gradient it finishes. Its
+``fingerprint`` hashes the parameters' names, shapes and dtypes and the batch's shapes: a profile read
+for another model, batch or tandem version is refused with what differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.planner.sim import Workload
+
+
+class ProfileMismatch(ValueError):
+    """A saved profile is not of the model (or tandem) it is used for."""
+
+
+@dataclass(frozen=True)
+class SegmentProfile:
+    phase: str  # "forward" or "backward"
+    seconds: float  # median over the timed runs
+    reads: tuple[str, ...] = ()  # parameters it reads (forward segments)
+    gradients: tuple[str, ...] = ()  # parameters whose gradient it finishes (backward segments)
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    version: str  # tandem's
+    fingerprint: str
+    batch_size: int  # samples per worker per step
+    parameters: tuple[tuple[str, int, int], ...]  # (name, elements, bytes), forward order
+    batch_shapes: tuple[tuple[int, ...], ...]
+    segments: tuple[SegmentProfile, ...]
+    threads: int = 1  # torch threads while profiled
+    extra: dict[str, Any] = field(default_factory=dict)  # anything else worth keeping (runs, backend)
+
+    def workload(self) -> Workload:
+        index = {name: i for i, (name, _, _) in enumerate(self.parameters)}
+        forward = [s for s in self.segments if s.phase == "forward"]
+        backward = [s for s in self.segments if s.phase != "forward"]
+        return Workload(names=tuple(name for name, _, _ in self.parameters),
+                        param_bytes=tuple(nbytes for _, _, nbytes in self.parameters),
+                        forward_s=tuple(s.seconds for s in forward),
+                        forward_reads=tuple(tuple(index[n] for n in s.reads if n in index) for s in forward),
+                        backward_s=tuple(s.seconds for s in backward),
+                        backward_grads=tuple(tuple(index[n] for n in s.gradients if n in index) for s in backward),
+                        batch_size=self.batch_size)  # fmt: skip
+
+    @property
+    def compute_s(self) -> float:
+        return sum(s.seconds for s in self.segments)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.parameters)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> Profile:
+        data = json.loads(Path(path).read_text())
+        try:
+            return Profile(**{**data, "parameters": tuple(tuple(p) for p in data["parameters"]),
+                              "batch_shapes": tuple(tuple(s) for s in data["batch_shapes"]),
+                              "segments": tuple(SegmentProfile(**{**s, "reads": tuple(s["reads"]),
+                                                                  "gradients": tuple(s["gradients"])})
+                                                for s in data["segments"])})  # fmt: skip
+        except (KeyError, TypeError) as error:
+            raise ProfileMismatch(f"{path} is not a tandem plan profile ({error})") from None
+
+    def check(self, model: str, fingerprint: str, parameters: Sequence[tuple[str, int, int]] | None = None,
+              batch_shapes: Sequence[tuple[int, ...]] | None = None) -> None:  # fmt: skip
+        """Refuse this profile for another model, tandem version or parameter/batch layout, naming what differs."""
+        from tandem import __version__
+
+        differs = []
+        if self.model != model:
+            differs.append(f"model: the profile is of {self.model!r}, not {model!r}")
+        if self.version != __version__:
+            differs.append(f"tandem version: the profile was made by {self.version}, this is {__version__}")
+        if self.fingerprint != fingerprint:
+            detail = ""
+            if parameters is not None and tuple(map(tuple, parameters)) != self.parameters:
+                ours, theirs = {p[0]: p[1:] for p in parameters}, {p[0]: p[1:] for p in self.parameters}
+                changed = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
+                detail = f" (parameters differ: {', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''})"
+            elif batch_shapes is not None and tuple(map(tuple, batch_shapes)) != self.batch_shapes:
+                detail = f" (batch shapes {list(self.batch_shapes)} vs {list(batch_shapes)})"
+            differs.append(f"fingerprint: {self.fingerprint} vs {fingerprint}{detail}")
+        if differs:
+            raise ProfileMismatch("the saved profile does not fit: " + "; ".join(differs) + " (profile again)")
+
+
+def describe(module: nn.Module, batch: Sequence[Any]) -> tuple[tuple[tuple[str, int, int], ...], tuple[tuple[int, ...], ...], str]:
+    """(parameters as (name, elements, bytes), batch tensor shapes, fingerprint) of a module and batch."""
+    from tandem.graph.batch import BatchLayout
+
+    _, tensors = BatchLayout.of(batch)
+    parameters = tuple((name, p.numel(), p.numel() * p.element_size()) for name, p in module.named_parameters())
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    dtypes = [str(p.dtype) for p in module.parameters()] + [str(t.dtype) for t in tensors]
+    digest = hashlib.sha256(json.dumps([parameters, shapes, dtypes]).encode()).hexdigest()[:16]
+    return parameters, shapes, digest
+
+
+def profile(module: nn.Module, loss_fn: Any, batch: Sequence[Any], model: str = "model", runs: int = 5,
+            warmup: int = 2, threads: int | None = 1, **options: Any) -> Profile:  # fmt: skip
+    """Capture and plan one step (``tandem.compile(module, loss_fn, *batch, **options)``), then time each
+    segment over ``runs`` runs on this thread (after ``warmup``); ``threads``: torch threads meanwhile
+    (1: as each process of a local job runs; None: leave as is)."""
+    from tandem import __version__
+    from tandem.graph.batch import BatchLayout
+    from tandem.step import compile as compile_step
+
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        step = compile_step(module, loss_fn, *batch, **options)
+        step(*batch)  # capture, plan, the measured first run
+        executor, graph = step.executor, step.graph
+        _, tensors = BatchLayout.of(batch)
+        inputs = graph.inputs(module, tensors)
+        seconds: list[list[float]] = [[] for _ in executor.segments]
+        with torch.no_grad():  # the engine's threads run segments so, too
+            for run in range(warmup + runs):
+                slots = executor.new_slots(inputs)
+                for i, segment in enumerate(executor.segments):
+                    start = time.perf_counter()
+                    segment.function(slots)
+                    if run >= warmup:
+                        seconds[i].append(time.perf_counter() - start)
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+    sent = list(graph.grads)  # what a distributed update sends, forward order (tied: the first name)
+    parameters, shapes, digest = describe(module, batch)
+    sizes = {name: (numel, nbytes) for name, numel, nbytes in parameters}
+    segments = tuple(SegmentProfile(str(s.phase), statistics.median(t), tuple(n for n in s.parameters if n in sizes),
+                                    tuple(s.gradients)) for s, t in zip(executor.segments, seconds))  # fmt: skip
+    return Profile(model=model, version=__version__, fingerprint=digest, batch_size=int(shapes[0][0]) if shapes and shapes[0] else 1,
+                   parameters=tuple((n, *sizes[n]) for n in sent), batch_shapes=shapes, segments=segments,
+                   threads=used, extra={"runs": runs, "backend": executor.backend})  # fmt: skip

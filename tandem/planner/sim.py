@@ -1,0 +1,468 @@
+"""A discrete-event simulation of data-parallel training iterations: the core of ``tandem plan``.
+
+What it simulates, per mode (``Strategy.mode``), for ``Cluster.workers`` identical workers:
+  - every worker runs the profiled forward and backward segments (``Workload``) one after another;
+  - ``baseline``: after backward, each gradient is pushed, then each parameter pulled (FIFO); the
+    next forward starts once every parameter is back;
+  - ``overlap``: each gradient is pushpulled whole (FIFO) when the backward segment finishing it ends;
+  - ``p3``: the same cut into slices (the real ``RoundRobinPlacement``), queued by priority
+    (``-parameter index``) in the worker's sender with at most ``water_mark`` requests in flight (a
+    request is in flight until it has arrived at its server), served by priority on the servers;
+  - in ``overlap`` and ``p3`` the next forward starts each segment once the parameters it reads are back;
+  - ``allreduce``: no servers; gradients bucketed in backward order, each bucket ring-all-reduced
+    when its last gradient is ready, one bucket at a time (``allreduce_seconds``).
+The network: every host (worker or server) has a full-duplex NIC, an uplink and a downlink of
+``rate`` each, FIFO. A message holds its sender's uplink for ``bytes / rate``; its head reaches the
+receiver's downlink ``latency`` later (cut-through), where it queues behind what that downlink
+already carries (incast). Priorities act above the links: in the worker's sender queue and in the
+server's CPU queue, so a high-priority slice waits for at most ``water_mark`` admitted slices (with
+``water_mark=1``, only for the slice on the wire). CPU: every message costs ``message_s`` in the
+sending worker's sender thread and in the receiving worker's IO thread; a server spends
+``message_s + bytes / aggregate_Bps`` per request received, and ``bytes / aggregate_Bps`` plus
+``message_s`` per reply to finish a round. Compute and communication threads do not slow each other.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
+
+from tandem.kvstore.ps.placement import RangePlacement, RoundRobinPlacement, Slice
+
+Mode = Literal["baseline", "overlap", "p3", "allreduce"]
+MODES: tuple[Mode, ...] = ("baseline", "overlap", "p3", "allreduce")
+PS_MODES = ("baseline", "overlap", "p3")
+COMPRESSION_RATIO = {"none": 1, "fp16": 2, "bf16": 2, "2bit": 16}  # float32 bytes / bytes on the wire
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One worker's step, as profiled: segment times, which parameters each segment reads or finishes.
+
+    Parameters are indexed in forward order (``names``); index ``i`` is P3's priority ``-i``.
+    """
+
+    names: tuple[str, ...]  # parameter names, forward order
+    param_bytes: tuple[int, ...]  # float32 bytes of each parameter
+    forward_s: tuple[float, ...]  # seconds of each forward segment
+    forward_reads: tuple[tuple[int, ...], ...]  # parameters each forward segment reads
+    backward_s: tuple[float, ...]  # seconds of each backward segment
+    backward_grads: tuple[tuple[int, ...], ...]  # parameters whose gradient each backward segment finishes
+    batch_size: int = 1  # samples per worker per step
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.param_bytes):
+            raise ValueError(f"{len(self.names)} names but {len(self.param_bytes)} byte counts")
+        if len(self.forward_s) != len(self.forward_reads) or len(self.backward_s) != len(self.backward_grads):
+            raise ValueError("one list of parameters per segment (forward_reads, backward_grads)")
+        if any(t < 0 for t in (*self.forward_s, *self.backward_s)):
+            raise ValueError("segment times must be >= 0")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    @property
+    def compute_s(self) -> float:
+        return sum(self.forward_s) + sum(self.backward_s)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.param_bytes)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: ``workers`` and ``servers`` hosts, each NIC ``rate_bps`` bits/s each way."""
+
+    workers: int
+    servers: int
+    rate_bps: float
+    latency_s: float = 50e-6  # one way, NIC to NIC
+    message_s: float = 29e-6  # CPU per message at each end (measure.message_seconds on 2 shared x86_64 cores)
+    aggregate_Bps: float = 9.5e9  # float32 bytes/s a server sums (measure.aggregate_bytes_per_s, same machine)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.workers, int) and self.workers >= 1):
+            raise ValueError(f"workers must be an int >= 1 (1 to any number), got {self.workers!r}")
+        if not (isinstance(self.servers, int) and self.servers >= 0):
+            raise ValueError(f"servers must be an int >= 0 (0 only for allreduce), got {self.servers!r}")
+        if not self.rate_bps > 0:
+            raise ValueError(f"link rate must be > 0 bits/s (e.g. '100mbit', '10gbit'), got {self.rate_bps!r}")
+        if not (self.latency_s >= 0 and self.message_s >= 0 and self.aggregate_Bps > 0):
+            raise ValueError("latency_s and message_s must be >= 0, aggregate_Bps > 0")
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.rate_bps / 8
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How gradients travel: the mode and its knobs."""
+
+    mode: Mode = "p3"
+    slice_size: int = 40_000  # elements per slice (p3)
+    water_mark: int = 10  # requests in flight per worker (p3)
+    compression: str = "none"  # none, fp16, bf16, 2bit: pushes (and all-reduce) shrink by its ratio
+    update_on: Literal["servers", "workers"] = "servers"  # workers: the pulled sums are compressed too
+    bucket_bytes: int = 25 * 2**20  # allreduce: DDP's bucket size
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.compression not in COMPRESSION_RATIO:
+            raise ValueError(f"compression must be one of {tuple(COMPRESSION_RATIO)}, got {self.compression!r}")
+        if self.slice_size < 1 or self.water_mark < 1 or self.bucket_bytes < 1:
+            raise ValueError(f"slice_size, water_mark and bucket_bytes must be >= 1, got "
+                             f"{self.slice_size}, {self.water_mark}, {self.bucket_bytes}")  # fmt: skip
+        if self.update_on not in ("servers", "workers"):
+            raise ValueError(f"update_on must be 'servers' or 'workers', got {self.update_on!r}")
+
+    @property
+    def label(self) -> str:
+        knobs = f" ({self.slice_size // 1000}k, wm {self.water_mark})" if self.mode == "p3" else ""
+        return self.mode + knobs + ("" if self.compression == "none" else f" +{self.compression}")
+
+
+@dataclass
+class Prediction:
+    """One simulated configuration: steady-state seconds per iteration and where worker 0's time went."""
+
+    cluster: Cluster
+    strategy: Strategy
+    iteration_s: float
+    compute_s: float
+    exposed_s: float  # worker 0 waiting while a message of its own was on the network (a link, its queue, latency)
+    idle_s: float  # waiting while none was: CPU per message, the servers' CPU
+    samples_per_s: float = 0.0
+    sends: list[tuple[float, int, int]] = field(default_factory=list, repr=False)  # worker 0: (time, param, slice)
+
+    def row(self) -> dict[str, float | str]:
+        return {"mode": self.strategy.label, "samples/s": self.samples_per_s, "ms/iter": self.iteration_s * 1e3,
+                "compute ms": self.compute_s * 1e3, "exposed comm ms": self.exposed_s * 1e3,
+                "idle ms": self.idle_s * 1e3}  # fmt: skip
+
+
+def simulate(workload: Workload, cluster: Cluster, strategy: Strategy, iterations: int = 5) -> Prediction:
+    """Predict one configuration: ``iterations`` steps, measured between the end of the second and the last."""
+    if iterations < 3:
+        raise ValueError(f"iterations must be >= 3 (one to fill the pipeline, two to measure), got {iterations}")
+    if strategy.mode == "allreduce":
+        return _allreduce(workload, cluster, strategy)
+    if cluster.servers < 1:
+        raise ValueError(f"mode {strategy.mode!r} needs servers >= 1 (1 to any number), got {cluster.servers}")
+    return _PSSim(workload, cluster, strategy, iterations).run()
+
+
+# -- the event core ----------------------------------------------------------------------------------------
+
+
+class Events:
+    """A clock and a heap of (time, order, action); ``run`` calls actions in time order, ties FIFO."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = 0
+
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (time, self._order, action))
+        self._order += 1
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, action = heapq.heappop(self._heap)
+            action()
+
+
+class Resource:
+    """One thing that does one job at a time (a link, a thread): jobs in (priority, arrival) order.
+
+    ``put(seconds, done, priority, started)``: ``started`` runs when the job begins, ``done`` when it ends.
+    """
+
+    def __init__(self, events: Events) -> None:
+        self.events = events
+        self.busy = False
+        self._queue: list[tuple[float, int, float, Callable[[], None], Callable[[], None] | None]] = []
+        self._order = 0
+
+    def put(self, seconds: float, done: Callable[[], None], priority: float = 0.0,
+            started: Callable[[], None] | None = None) -> None:  # fmt: skip
+        heapq.heappush(self._queue, (-priority, self._order, seconds, done, started))
+        self._order += 1
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        if not self._queue:
+            self.busy = False
+            return
+        _, _, seconds, done, started = heapq.heappop(self._queue)
+        self.busy, now = True, self.events.now
+        if started is not None:
+            started()
+        self.events.at(now + seconds, partial(self._finish, done))
+
+    def _finish(self, done: Callable[[], None]) -> None:
+        done()
+        self._next()
+
+
+# -- the parameter-server modes ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Request:
+    worker: int
+    param: int
+    slice: int
+    server: int
+    nbytes: float
+    reply_bytes: float
+    priority: float
+    kind: str  # "pushpull", "push" or "pull"
+    iteration: int
+
+
+class _PSSim:
+    def __init__(self, workload: Workload, cluster: Cluster, strategy: Strategy, iterations: int) -> None:
+        self.w, self.c, self.s, self.iterations = workload, cluster, strategy, iterations
+        self.events = Events()
+        ev, rate = self.events, cluster.bytes_per_s
+        self.rate = rate
+        numel = [b // 4 for b in workload.param_bytes]
+        placement = (RoundRobinPlacement(cluster.servers, strategy.slice_size) if strategy.mode == "p3"
+                     else RangePlacement(cluster.servers))  # fmt: skip
+        self.slices: list[list[Slice]] = [placement.plan(name, n) for name, n in zip(workload.names, numel)]
+        n_workers = cluster.workers
+        self.uplink = [Resource(ev) for _ in range(n_workers)]
+        self.downlink = [Resource(ev) for _ in range(n_workers)]
+        self.sender = [Resource(ev) for _ in range(n_workers)]  # the worker's sender thread
+        self.receiver = [Resource(ev) for _ in range(n_workers)]  # the worker's IO thread
+        self.server_up = [Resource(ev) for _ in range(cluster.servers)]
+        self.server_down = [Resource(ev) for _ in range(cluster.servers)]
+        self.server_cpu = [Resource(ev) for _ in range(cluster.servers)]
+        self.queued: list[list[tuple[float, int, _Request]]] = [[] for _ in range(n_workers)]  # send queues
+        self.order = 0
+        self.in_flight = [0] * n_workers
+        self.water_mark = strategy.water_mark if strategy.mode == "p3" else INF
+        self.rounds: dict[tuple[int, int, int], list[_Request]] = {}  # (param, slice, iteration) -> arrived
+        self.done_rounds: set[tuple[int, int, int]] = set()
+        self.waiting_pulls: dict[tuple[int, int, int], list[_Request]] = {}
+        self.missing = [[0] * len(workload.names) for _ in range(n_workers)]  # slices not back, per param
+        self.back = [[-1] * len(workload.names) for _ in range(n_workers)]  # last iteration fully back
+        self.position = [(0, 0)] * n_workers  # (iteration, segment index over forward + backward)
+        self.computing = [False] * n_workers
+        self.wait_since: list[float | None] = [None] * n_workers
+        self.waits: list[tuple[float, float]] = []  # worker 0
+        self.backward_end: list[float] = []  # worker 0, per iteration
+        self.sends: list[tuple[float, int, int]] = []
+        self.network: list[tuple[float, float]] = []  # worker 0's messages between leaving and landing
+
+    # the worker's compute loop
+    def advance(self, worker: int) -> None:
+        if self.computing[worker]:
+            return
+        iteration, index = self.position[worker]
+        if iteration >= self.iterations:
+            return
+        w, n_forward = self.w, len(self.w.forward_s)
+        if index < n_forward:
+            needs = range(len(w.names)) if (self.s.mode == "baseline" and index == 0) else w.forward_reads[index]
+            if any(self.back[worker][p] < iteration - 1 for p in needs):
+                if self.wait_since[worker] is None:
+                    self.wait_since[worker] = self.events.now
+                return
+            seconds = w.forward_s[index]
+        else:
+            seconds = w.backward_s[index - n_forward]
+        started = self.wait_since[worker]
+        if started is not None:
+            if worker == 0 and self.events.now > started:
+                self.waits.append((started, self.events.now))
+            self.wait_since[worker] = None
+        self.computing[worker] = True
+        self.events.at(self.events.now + seconds, lambda: self.segment_done(worker, iteration, index))
+
+    def segment_done(self, worker: int, iteration: int, index: int) -> None:
+        w, n_forward = self.w, len(self.w.forward_s)
+        self.computing[worker] = False
+        last = index == n_forward + len(w.backward_s) - 1
+        if index >= n_forward:
+            if self.s.mode != "baseline":
+                for p in w.backward_grads[index - n_forward]:
+                    self.send_gradient(worker, p, iteration, "pushpull")
+            elif last:
+                for p in range(len(w.names)):  # push everything, then pull everything, forward order
+                    self.send_gradient(worker, p, iteration, "push")
+                for p in range(len(w.names)):
+                    self.send_gradient(worker, p, iteration, "pull")
+        if last and worker == 0:
+            self.backward_end.append(self.events.now)
+        self.position[worker] = (iteration + 1, 0) if last else (iteration, index + 1)
+        self.advance(worker)
+
+    # requests
+    def send_gradient(self, worker: int, param: int, iteration: int, kind: str) -> None:
+        ratio = COMPRESSION_RATIO[self.s.compression]
+        priority = -param if self.s.mode == "p3" else 0
+        if kind != "push":
+            self.missing[worker][param] = len(self.slices[param])
+        for i, part in enumerate(self.slices[param]):
+            nbytes = 0.0 if kind == "pull" else part.numel * 4 / ratio
+            reply = 0.0 if kind == "push" else part.numel * 4 / (ratio if self.s.update_on == "workers" else 1)
+            request = _Request(worker, param, i, part.server, nbytes, reply, priority, kind, iteration)
+            heapq.heappush(self.queued[worker], (-priority, self.order, request))
+            self.order += 1
+        self.pump(worker)
+
+    def pump(self, worker: int) -> None:
+        """The sender thread: the highest-priority request leaves when fewer than water_mark are in flight."""
+        queue = self.queued[worker]
+        while queue and self.in_flight[worker] < self.water_mark:
+            _, _, request = heapq.heappop(queue)
+            self.in_flight[worker] += 1
+            self.sender[worker].put(self.c.message_s, lambda r=request: self.transmit(r))  # type: ignore[misc]
+
+    def transmit(self, request: _Request) -> None:
+        worker, server = request.worker, request.server
+        sent = self.events.now
+        if worker == 0:
+            self.sends.append((sent, request.param, request.slice))
+        seconds = request.nbytes / self.rate
+
+        def landed() -> None:
+            self.on_network(worker, sent)
+            self.arrived(request)
+
+        def head_arrives() -> None:
+            self.server_down[server].put(seconds, landed)
+
+        self.uplink[worker].put(seconds, lambda: None, started=lambda: self.events.at(
+            self.events.now + self.c.latency_s, head_arrives))  # fmt: skip
+
+    def arrived(self, request: _Request) -> None:
+        self.in_flight[request.worker] -= 1
+        self.pump(request.worker)
+        cost = self.c.message_s + request.nbytes / self.c.aggregate_Bps
+        self.server_cpu[request.server].put(cost, lambda: self.served(request), priority=request.priority)
+
+    def served(self, request: _Request) -> None:
+        key = (request.param, request.slice, request.iteration)
+        if request.kind == "pull":
+            if key in self.done_rounds:
+                self.reply(request)
+            else:
+                self.waiting_pulls.setdefault(key, []).append(request)
+            return
+        arrived = self.rounds.setdefault(key, [])
+        arrived.append(request)
+        if len(arrived) < self.c.workers:
+            return
+        del self.rounds[key]
+        update = self.slices[request.param][request.slice].numel * 4 / self.c.aggregate_Bps  # one pass over the sum
+
+        def round_done() -> None:
+            self.done_rounds.add(key)
+            for r in arrived if request.kind == "pushpull" else self.waiting_pulls.pop(key, []):
+                self.server_cpu[r.server].put(self.c.message_s, lambda r=r: self.reply(r), priority=r.priority)  # type: ignore[misc]
+
+        self.server_cpu[request.server].put(update, round_done, priority=request.priority)
+
+    def reply(self, request: _Request) -> None:
+        worker, seconds, sent = request.worker, request.reply_bytes / self.rate, self.events.now
+
+        def landed() -> None:
+            self.on_network(worker, sent)
+            self.receiver[worker].put(self.c.message_s, lambda: self.received(request))
+
+        def head_arrives() -> None:
+            self.downlink[worker].put(seconds, landed)
+
+        self.server_up[request.server].put(seconds, lambda: None, started=lambda: self.events.at(
+            self.events.now + self.c.latency_s, head_arrives))  # fmt: skip
+
+    def on_network(self, worker: int, since: float) -> None:
+        """A message of ``worker`` was on the network (links, their queues, latency) from ``since`` until now."""
+        if worker == 0:
+            self.network.append((since, self.events.now))
+
+    def received(self, request: _Request) -> None:
+        worker, param = request.worker, request.param
+        self.missing[worker][param] -= 1
+        if self.missing[worker][param] == 0:
+            self.back[worker][param] = request.iteration
+            self.advance(worker)
+
+    def run(self) -> Prediction:
+        for worker in range(self.c.workers):
+            self.advance(worker)
+        self.events.run()
+        ends = self.backward_end
+        measured = len(ends) - 2
+        iteration_s = (ends[-1] - ends[1]) / measured
+        window = (ends[1], ends[-1])
+        waits = [(max(a, window[0]), min(b, window[1])) for a, b in self.waits if b > window[0] and a < window[1]]
+        links = _union(self.network)
+        waited = sum(b - a for a, b in waits) / measured
+        exposed = sum(_overlap(a, b, links) for a, b in waits) / measured
+        return _prediction(self.w, self.c, self.s, iteration_s, exposed, waited - exposed, self.sends)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(start: float, end: float, merged: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged)
+
+
+def _prediction(workload: Workload, cluster: Cluster, strategy: Strategy, iteration_s: float, exposed: float,
+                idle: float, sends: list[tuple[float, int, int]] | None = None) -> Prediction:  # fmt: skip
+    samples = cluster.workers * workload.batch_size / iteration_s if iteration_s > 0 else INF
+    return Prediction(cluster, strategy, iteration_s, workload.compute_s, exposed, max(idle, 0.0), samples,
+                      sends or [])  # fmt: skip
+
+
+# -- collective all-reduce ---------------------------------------------------------------------------------
+
+
+def allreduce_seconds(nbytes: float, cluster: Cluster) -> float:
+    """A ring all-reduce of ``nbytes`` over ``workers``: 2(W-1) steps, each moving nbytes/W on every link."""
+    steps = 2 * (cluster.workers - 1)
+    if steps == 0:
+        return 0.0
+    return steps / cluster.workers * nbytes / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.message_s)
+
+
+def _allreduce(workload: Workload, cluster: Cluster, strategy: Strategy) -> Prediction:
+    """DDP's schedule: buckets fill in backward order and are all-reduced one at a time as they fill;
+    the next forward waits for all of them. Steady state is one forward + backward + the exposed tail."""
+    ratio = COMPRESSION_RATIO[strategy.compression]
+    clock, busy_until, pending, ready_at = sum(workload.forward_s), 0.0, 0.0, 0.0
+    buckets: list[tuple[float, float]] = []  # (ready time, bytes)
+    for seconds, grads in zip(workload.backward_s, workload.backward_grads):
+        clock += seconds
+        for p in grads:
+            pending += workload.param_bytes[p] / ratio
+            ready_at = clock
+            if pending >= strategy.bucket_bytes:
+                buckets.append((ready_at, pending))
+                pending = 0.0
+    if pending:
+        buckets.append((ready_at, pending))
+    for ready, nbytes in buckets:
+        busy_until = max(busy_until, ready) + allreduce_seconds(nbytes, cluster)
+    exposed = max(0.0, busy_until - clock)
+    return _prediction(workload, cluster, strategy, clock + exposed, exposed, 0.0)
