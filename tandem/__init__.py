@@ -18,6 +18,7 @@ _LAZY = {
     "TrainStep": ("tandem.step", "TrainStep"),
     "StepResult": ("tandem.step", "StepResult"),
     "Trainer": ("tandem.trainer", "Trainer"),
+    "plan": ("tandem.planner.api", "plan"),  # the package is tandem.planner: a tandem.plan package would shadow this
 }
 _SUBPACKAGES = ("data", "engine", "kvstore", "models", "ops", "optim")  # `tandem.optim` works after `import tandem`
 
@@ -33,4 +34,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tandem' has no attribute {name!r}")
 
 
-__all__ = ["compile", "compile_eval", "TrainStep", "StepResult", "Trainer", "__version__"]
+__all__ = ["compile", "compile_eval", "TrainStep", "StepResult", "Trainer", "plan", "__version__"]

@@ -1,4 +1,4 @@
-"""The `tandem` command: `tandem train ...` and `tandem launch ...` (also `python -m tandem`)."""
+"""The `tandem` command: `tandem train ...`, `tandem launch ...` and `tandem plan ...` (also `python -m tandem`)."""
 
 from __future__ import annotations
 
@@ -230,6 +230,47 @@ def _plot_history(history: list[dict[str, float]], path: Path, title: str, split
     return path
 
 
+def plan(args: argparse.Namespace) -> int:
+    """`tandem plan`: build the model and one worker's batch as `tandem train` would, then tandem.planner."""
+    from tandem.planner.command import run
+    from tandem.step import StepConfig
+
+    step_options = {name: getattr(args, name) for name in step_option_names()}
+    try:  # a bad --mirror / --bulk-fwd is refused before anything is built
+        StepConfig(**step_options)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"tandem plan: {error}") from None
+    module, loss_fn, batch, config = _plan_model(args)
+    return run(args, module, loss_fn, batch, config, step_options)
+
+
+def _plan_model(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, ...], dict[str, Any]]:
+    """The model, its loss, one worker's batch (a zoo model's make_batch on synthetic data, else the
+    data set's first batch) and the model's config, from `tandem plan`'s options."""
+    import torch
+
+    from tandem import data, models
+
+    if args.batch_size < 1:
+        raise SystemExit(f"tandem plan: --batch-size must be >= 1 (per worker), got {args.batch_size}")
+    dataset = args.data or next(name for name in ("synthetic-images", "synthetic-tokens", "pydoc-text", "digits")
+                                if args.model in PRESETS[name])  # fmt: skip
+    overrides = dict(_split_pair(item, "--model-arg") for item in args.model_arg)
+    config = _model_config(args.model, dataset, {k: _parse_value(v) for k, v in overrides.items()})
+    entry = models.lookup(args.model)
+    torch.manual_seed(args.seed)
+    try:
+        module = entry.build(**config)
+    except ImportError as error:  # a library model whose library (the models extra) is not installed
+        raise SystemExit(f"tandem plan: {error}") from None
+    if isinstance(entry, models.ZooEntry) and dataset.startswith("synthetic"):
+        return module, entry.loss_fn, entry.make_batch(args.batch_size, torch.Generator().manual_seed(args.seed + 1),
+                                                       **config), config  # fmt: skip
+    args.samples = max(args.batch_size, 64)
+    train_set, _ = _datasets(args, config)
+    return module, entry.loss_fn, tuple(next(iter(data.batches(train_set, args.batch_size)))), config
+
+
 def _job_workers(kind: str | None) -> int:
     """Workers of the job this process belongs to: 1 alone; under `tandem launch` or torchrun the
     topology the launcher put in the environment (torchrun's WORLD_SIZE less the servers)."""
@@ -333,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.update import MODES
 
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__, formatter_class=_HelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,launch}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,launch,plan}")
     p = commands.add_parser("train", help="train a model on a data set, with a progress bar",
                             description="Train a zoo or library model on a data set: progress bar, per-epoch "
                                         "evaluation, a plot and history.json in --out.", formatter_class=_HelpFormatter)
@@ -376,6 +417,24 @@ def build_parser() -> argparse.ArgumentParser:
                                          "with its role in TANDEM_* variables.", formatter_class=_HelpFormatter)
     launch.add_arguments(lp)
     lp.set_defaults(handler=launch.run)
+    pp = commands.add_parser("plan", help="predict samples/s on a cluster from one profiled step; pick mode and knobs",
+                             description="Profile one step of a model (or read a saved profile), simulate training on "
+                                         "--workers workers and --servers servers with --link links per mode (baseline, "
+                                         "overlap, p3, allreduce; with and without compression) and recommend the mode, "
+                                         "slice size, water mark and number of servers (docs/plan.md).",
+                             formatter_class=_HelpFormatter)  # fmt: skip
+    pp.add_argument("--model", default="resnet", choices=_models(), help="any model tandem train trains")
+    pp.add_argument("--data", default=None, choices=DATASETS,
+                    help="the data its batch looks like (unset: synthetic images or tokens; pydoc-text for hf-*)")
+    pp.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
+    pp.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="model constructor overrides, repeatable")
+    pp.add_argument("--seed", type=int, default=0, help="seed of the model's weights and the batch")
+    from tandem.planner.command import add_arguments as add_plan_arguments
+
+    add_plan_arguments(pp)
+    add_step_options(pp)
+    pp.set_defaults(handler=plan)
     return parser
 
 

@@ -1,0 +1,57 @@
+"""``tandem plan``'s work once the CLI has built the model and a batch: plan, print, plot, validate."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from tandem.planner.profile import ProfileMismatch
+from tandem.planner.search import Plan
+from tandem.planner.sim import MODES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster, search and output options (the CLI adds the model's own)."""
+    parser.add_argument("--workers", type=int, default=16, help="workers (>= 1)")
+    parser.add_argument("--servers", type=int, default=4, help="parameter servers (>= 1; 0 only with --modes allreduce)")
+    parser.add_argument("--link", default="10gbit", help="every host's link rate, each way: 100mbit, 10gbit, 12.5mbps, ...")
+    parser.add_argument("--latency-us", type=float, default=50.0, help="one-way latency between two hosts, microseconds")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="the modes to simulate")
+    parser.add_argument("--profile", default=None, metavar="JSON",
+                        help="use this saved profile instead of profiling (refused if of another model or version)")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs of the step when profiling (median per segment)")
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the CPU per message and the servers' summing rate here (default: measured constants)")
+    parser.add_argument("--validate", action="store_true",
+                        help="also run the predicted baseline/overlap/p3 jobs here (tandem launch --netns-rate) and compare")
+    parser.add_argument("--validate-runs", type=int, default=5, help="--validate: timed runs per job (median)")
+    parser.add_argument("--out", default="runs/plan", help="directory for profile.json and plan.png")
+
+
+def run(args: argparse.Namespace, module: nn.Module, loss_fn: Any, batch: tuple[Any, ...], config: dict[str, Any],
+        step_options: dict[str, Any]) -> int:  # fmt: skip
+    from tandem.planner.api import plan
+
+    out = Path(args.out)
+    try:
+        result: Plan = plan(module, loss_fn, batch, name=args.model, saved=args.profile, workers=args.workers,
+                            servers=args.servers, rate=args.link, latency_s=args.latency_us * 1e-6, modes=args.modes,
+                            measure=args.measure, runs=args.runs, **step_options)  # fmt: skip
+    except (ProfileMismatch, ValueError, TypeError) as error:
+        raise SystemExit(f"tandem plan: {error}") from None
+    if args.profile is None:
+        print(f"profile written to {result.profile.save(out / 'profile.json')}")
+    print(result.report())
+    print(f"plot: {result.plot(out / 'plan.png')}")
+    if args.validate:
+        from tandem.planner.validate import validate
+
+        print(f"\nvalidating: {args.workers} workers + {args.servers} servers at {args.link} on this machine ...", flush=True)
+        rows = validate(result, args.model, config, args.modes, runs=args.validate_runs)
+        print(f"{'mode':<28}{'predicted':>10}{'measured':>10}{'pred/meas':>10}")
+        for label, predicted, measured in rows:
+            print(f"{label:<28}{predicted:>10.1f}{measured:>10.1f}{predicted / measured:>10.2f}")
+    return 0

@@ -1,0 +1,70 @@
+"""`tandem plan` and `tandem.plan`: profile a tiny model, save and reuse the profile, refuse bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import tandem
+from tandem.cli import main
+from tandem.models import ZOO
+from tandem.planner.profile import Profile, ProfileMismatch
+from tandem.planner.sim import Strategy
+
+CLUSTER = ["--workers", "4", "--servers", "2", "--link", "1gbit"]
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tandem plan` on the mlp: profile written, the table, the recommendation and the plot."""
+    out = tmp_path_factory.mktemp("plan")
+    assert main(["plan", "--model", "mlp", *CLUSTER, "--runs", "1", "--out", str(out)]) == 0
+    assert (out / "plan.png").stat().st_size > 10_000
+    return out / "profile.json"
+
+
+def test_plan_profiles_reports_and_plots(profiled: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = Profile.load(profiled)
+    assert profile.model == "mlp" and profile.version == tandem.__version__ and profile.batch_size == 32
+    assert {s.phase for s in profile.segments} == {"forward", "backward"}
+    sent = {name for name, _, _ in profile.parameters}
+    assert sent == {g for s in profile.segments for g in s.gradients}  # every parameter's gradient comes from a segment
+    assert main(["plan", "--model", "mlp", *CLUSTER, "--profile", str(profiled), "--out", str(profiled.parent)]) == 0
+    output = capsys.readouterr().out
+    for text in ("baseline", "overlap", "p3 (", "allreduce", "+fp16", "+2bit", "recommended:", "servers:", "plan.png"):
+        assert text in output
+
+
+def test_a_profile_of_another_model_or_version_is_refused(profiled: Path, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"model: the profile is of 'mlp', not 'resnet'.*parameters differ"):
+        main(["plan", "--model", "resnet", "--profile", str(profiled), "--out", str(tmp_path)])
+    data = json.loads(profiled.read_text())
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**data, "version": "0.0.1"}))
+    with pytest.raises(SystemExit, match=r"tandem version: the profile was made by 0.0.1"):
+        main(["plan", "--model", "mlp", "--profile", str(old), "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--workers", "0"], "workers must be an int >= 1"),
+    (["--servers", "0"], r"servers must be an int >= 1 for the parameter-server modes"),
+    (["--link", "0"], r"link rate must be > 0"),
+    (["--link", "fast"], r"is not a rate"),
+])  # fmt: skip
+def test_impossible_configurations_are_clear_errors(options: list[str], message: str, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=message):
+        main(["plan", "--model", "mlp", *options, "--out", str(tmp_path)])
+
+
+def test_the_api(profiled: Path) -> None:
+    result = tandem.plan(profiled, workers=2, servers=1, rate="100mbit", modes=("baseline", "p3"), sweep=False)
+    assert result.best.strategy.mode == "p3" and isinstance(result.best.strategy, Strategy)
+    baseline = result.prediction("baseline")
+    assert baseline is not None and result.best.samples_per_s > baseline.samples_per_s
+    entry, config = ZOO["mlp"], {"in_features": 3 * 32 * 32}  # the CLI's mlp on synthetic images
+    batch = entry.make_batch(32, torch.Generator().manual_seed(1), **config)
+    with pytest.raises(ProfileMismatch, match="not 'gpt'"):  # a module with a saved profile is checked, not profiled
+        tandem.plan(entry.build(**config), entry.loss_fn, batch, name="gpt", saved=profiled, sweep=False)
