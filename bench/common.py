@@ -22,13 +22,15 @@ def command_line() -> str:
 
 
 def interleaved_medians(candidates: dict[str, Callable[[], Any]], repeats: int = 7, warmup: int = 2,
-                        inner: int = 1, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+                        inner: int = 1, clock: Callable[[], float] = time.perf_counter,
+                        min_repeats: int = 5) -> dict[str, float]:
     """Median seconds per call of each candidate; rounds alternate candidates so drift hits all alike.
 
     ``clock=time.process_time`` measures CPU seconds of the whole process (all threads): on a loaded
-    shared machine that counts the work done rather than the time spent preempted.
+    shared machine that counts the work done rather than the time spent preempted. ``min_repeats``
+    below 5 is for smoke runs only (``--quick``), whose numbers are not reported as measurements.
     """
-    if repeats < 5:
+    if repeats < min_repeats:
         raise ValueError("medians need at least 5 runs")
     for _ in range(warmup):
         for fn in candidates.values():
