@@ -95,7 +95,7 @@ def validate(result: Plan, model: str, config: dict[str, Any], modes: list[str],
     if model not in ZOO:
         raise ValueError(f"--validate runs zoo models (fed by make_batch): {sorted(ZOO)}; got {model!r}")
     cluster, rows = result.target.cluster(), []
-    rate = f"{int(cluster.rate_bps)}bit"
+    rate = result.target.rate if isinstance(result.target.rate, str) else f"{int(cluster.rate_bps)}bit"
     for mode in modes:
         predicted = result.prediction(mode)
         if mode not in KINDS or predicted is None:
