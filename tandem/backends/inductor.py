@@ -103,18 +103,39 @@ class InductorSegment:
         self.compile_seconds = time.perf_counter() - start
 
     def graph_module(self) -> fx.GraphModule:
-        """The segment as ``forward(inputs: list) -> tuple``; the list is handed over (``steal_arg``)."""
-        graph = fx.Graph()
+        """The segment as ``forward(inputs: list) -> tuple``; the list is handed over (``steal_arg``).
+
+        A tensor in a node's arguments (a constant the model made: ``torch.tensor([])`` under
+        ``lift_fresh_copy``) becomes an attribute of the module read by a ``get_attr`` node, as the
+        generated code cannot spell a tensor."""
+        graph, root, constants = fx.Graph(), torch.nn.Module(), 0
         boxed = graph.placeholder("inputs")
         boxed.meta["steal_arg"] = True  # inductor's wrapper empties the caller's list
         env: dict[fx.Node, fx.Node] = {}
         for k, node in enumerate(self.inputs):
             env[node] = graph.call_function(operator.getitem, (boxed, k))
             env[node].meta = {"val": node.meta["val"]} if "val" in node.meta else {}
+
+        def constant(arg: Any) -> Any:
+            nonlocal constants
+            if not isinstance(arg, torch.Tensor):
+                return arg
+            name, constants = f"_tensor_constant{constants}", constants + 1
+            setattr(root, name, arg)
+            return graph.get_attr(name)
+
         for node in self.nodes:
-            env[node] = graph.node_copy(node, lambda arg: env[arg])
+            copied = graph.node_copy(node, lambda arg: env[arg])
+            if copied.target is torch.ops.aten.view.default:
+                # inductor re-traces with its decompositions, whose strides may differ from eager's
+                # (T5's attention bias): a view eager could take becomes a copy there, not an error
+                copied.target = torch.ops.aten.reshape.default
+            with graph.inserting_before(copied):
+                copied.args = fx.node.map_aggregate(copied.args, constant)
+                copied.kwargs = fx.node.map_aggregate(copied.kwargs, constant)
+            env[node] = copied
         graph.output(tuple(env[n] for n in self.outputs))
-        return fx.GraphModule(torch.nn.Module(), graph)
+        return fx.GraphModule(root, graph)
 
 
 def _first_line(error: BaseException) -> str:
