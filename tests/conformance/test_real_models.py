@@ -25,7 +25,7 @@ import tandem
 from tandem import optim
 from tandem.testing.real_models import NAMED, REAL_MODELS, UNNAMED
 from tandem.testing.torchvision_compat import ensure_importable
-from tests.conftest import assert_same_step, eager_step, twin
+from tests.conftest import assert_same_step, eager_step, eager_train, twin
 
 ensure_importable()  # before pytest.importorskip imports timm or transformers (they import torchvision)
 
@@ -112,3 +112,41 @@ def test_trainer_matches_torch_optim(name: str) -> None:
         loss_fn(reference, *batch).backward()
         torch_optimizer.step()
     _assert_same_state(module, reference, **TOLERANCE[torch.float64])
+
+
+
+INDUCTOR_STEPS = 10
+INDUCTOR_RTOL = 1e-4  # float32, relative to each tensor's norm (AdamW: see below)
+NOISE = 1e-7  # a gradient this far below the largest is float32 rounding (a key projection's bias)
+TRANSFORMERS = [pytest.param(entry.name, id=entry.name) for entry in NAMED if entry.library == "transformers"]
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_inductor_trainer_matches_torch_optim(name: str) -> None:
+    """backend="inductor" (each phase one compiled unit): 10 float32 steps within 1e-4 of eager AdamW.
+
+    The transformers models the suite names only: a cold inductor compile takes seconds per model.
+    AdamW divides each gradient by its own running size, so an element whose gradient is small moves
+    by ``lr`` whatever rounding its gradient carries: the parameters compare as tensors, by norm. A
+    parameter whose exact gradient is zero (the key bias: softmax ignores a shift of every score)
+    moves by eager's rounding noise alone; it is held to AdamW's bound, ``lr`` a step, not to eager."""
+    module, loss_fn, batch = _case(name, torch.float32)
+    reference = copy.deepcopy(module)
+    _, first_grads = eager_step(twin(module), loss_fn, batch)
+    largest = max(float(g.abs().max()) for g in first_grads.values())
+    noise_only = {n for n, g in first_grads.items() if float(g.abs().max()) < NOISE * largest}
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer = tandem.Trainer(module, loss_fn, optim.AdamW(lr=LR, weight_decay=WEIGHT_DECAY), backend="inductor")
+    losses = [trainer.step(*batch) for _ in range(INDUCTOR_STEPS)]
+    assert trainer.train_step.compile_report()["fallbacks"] == {}
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    expected = eager_train(reference, loss_fn, batch, torch_optimizer, INDUCTOR_STEPS)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOLERANCE[torch.float32])
+    ours = module.state_dict()
+    for key, value in reference.state_dict().items():
+        if key in noise_only:
+            moved = float((ours[key] - start[key]).abs().max())
+            assert moved <= 1.01 * LR * INDUCTOR_STEPS + 1e-6, (key, moved)
+            continue
+        error = float((ours[key] - value).norm()) / max(float(value.norm()), 1e-12)
+        assert error <= INDUCTOR_RTOL, (key, error)

@@ -26,7 +26,7 @@ import tandem
 from tandem import optim
 from tandem.graph.train_graph import Phase
 from tandem.trainer import TrainerConfig
-from tests.conftest import zoo_case
+from tests.conftest import eager_train, zoo_case
 
 STEPS = 10
 RTOL, ATOL = 1e-4, 1e-5  # float32: the conformance suite's tolerance
@@ -48,15 +48,9 @@ def test_ten_trainer_steps_match_eager(zoo_name: str) -> None:
     losses = [trainer.step(*batch) for _ in range(STEPS)]
     assert trainer.train_step.compile_report()["fallbacks"] == {}, "every segment compiled"
 
-    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
     torch.manual_seed(5)
-    expected = []
-    for _ in range(STEPS):
-        torch_optimizer.zero_grad()
-        loss = loss_fn(reference, *batch)
-        loss.backward()
-        torch_optimizer.step()
-        expected.append(loss.item())
+    expected = eager_train(reference, loss_fn, batch, torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM),
+                           STEPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=ATOL)
     ours = module.state_dict()
     for name, value in reference.state_dict().items():  # parameters, and BatchNorm's running stats
