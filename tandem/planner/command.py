@@ -49,7 +49,8 @@ def run(args: argparse.Namespace, module: nn.Module, loss_fn: Any, batch: tuple[
     if args.validate:
         from tandem.planner.validate import validate
 
-        print(f"\nvalidating: {args.workers} workers + {args.servers} servers at {args.link} on this machine ...", flush=True)
+        print(f"\nvalidating: {args.workers} worker(s) + {args.servers} server(s) at {args.link} on this machine ...",
+              flush=True)
         rows = validate(result, args.model, config, args.modes, runs=args.validate_runs)
         print(f"{'mode':<28}{'predicted':>10}{'measured':>10}{'pred/meas':>10}")
         for label, predicted, measured in rows:

@@ -40,6 +40,10 @@ def parse_rate(rate: str | float) -> float:
     return bits
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def rate_label(bits: float) -> str:
     for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits >= scale:
@@ -103,7 +107,8 @@ class Plan:
                  f"{profile.total_bytes / 1e6:.1f} MB sent per step), batch {profile.batch_size} per worker, "
                  f"compute {profile.compute_s * 1e3:.1f} ms per step ({len(profile.segments)} segments, "
                  f"{profile.threads} thread{'s' if profile.threads > 1 else ''})",
-                 f"cluster: {cluster.workers} workers, {cluster.servers} servers, {rate_label(cluster.rate_bps)} links, "
+                 f"cluster: {_count(cluster.workers, 'worker')}, {_count(cluster.servers, 'server')}, "
+                 f"{rate_label(cluster.rate_bps)} links, "
                  f"{cluster.latency_s * 1e6:.0f} us latency; CPU per message {cluster.message_s * 1e6:.0f} us, "
                  f"servers sum {cluster.aggregate_Bps / 1e9:.1f} GB/s", ""]  # fmt: skip
         header = f"{'mode':<28}{'samples/s':>10}{'ms/iter':>10}{'compute':>9}{'exposed comm':>13}{'idle':>8}"
