@@ -66,6 +66,26 @@ def test_baseline_overlap_and_p3_give_the_same_parameters(model: str, tmp_path: 
             torch.testing.assert_close(result[name], value, rtol=1e-9, atol=1e-11, msg=f"{mode} ({kind}, update_on_kvstore={update}) {name}")
 
 
+def test_baseline_overlap_and_p3_give_the_same_parameters_with_inductor(tmp_path: Path) -> None:
+    """backend="inductor" for the launched workers (TANDEM_BACKEND): the segments are compiled, their
+    boundaries (bulk_fwd=3, bulk_bwd=2) stay where the gradients are sent; the modes still agree."""
+    runs, results = [("dist_sync", "baseline"), ("dist_sync", "overlap"), ("dist_p3", "p3")], []
+    for kind, mode in runs:
+        out = tmp_path / mode
+        out.mkdir()
+        env = {"TANDEM_BACKEND": "inductor", "TANDEM_KVSTORE_SLICE_THRESHOLD": "100"}
+        job = run_job("trainer_modes.py", 2, 2, kind, mode, "1", str(out), "10", "mlp", env=env, timeout=300)
+        assert len(worker_lines(job.stdout, " OK ")) == 2 and len(worker_lines(job.stdout, "backend inductor")) == 2, job.stdout
+        results.append(torch.load(out / "rank0.pt", weights_only=True))
+    baseline = results[0]
+    aten = single_process("mlp", 10)
+    for name, value in aten.items():  # float64: inductor's kernels round like aten's, not bit for bit
+        torch.testing.assert_close(baseline[name], value.detach(), rtol=1e-9, atol=1e-11, msg=f"inductor vs aten {name}")
+    for (kind, mode), result in zip(runs[1:], results[1:]):
+        for name, value in baseline.items():
+            torch.testing.assert_close(result[name], value, rtol=1e-9, atol=1e-11, msg=f"{mode} ({kind}) {name}")
+
+
 @pytest.mark.parametrize("mode", ["p3-serial", "p3-auto"])
 def test_async_p3_trainer_trains(mode: str, tmp_path: Path) -> None:
     """dist_p3_async under Trainer(communication="p3"): each worker's own tuner (water mark, send timing)

@@ -42,4 +42,5 @@ torch.save(dict(module.named_parameters()), Path(out) / f"rank{rank}.pt")
 report = trainer.train_step.executor.last_report
 Path(out, f"report{rank}.txt").write_text(f"{report.num_segments} {len(report.gradient_ready_s)}")
 slicings = [config.slice_size for config, _ in tuner.history] if timing == "auto" else []
-print(f"trainer_modes OK rank {rank} mode {mode} slicings {','.join(map(str, slicings))}")
+backend = trainer.train_step.compile_report()["backend"]
+print(f"trainer_modes OK rank {rank} mode {mode} backend {backend} slicings {','.join(map(str, slicings))}")
