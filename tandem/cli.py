@@ -266,9 +266,14 @@ def _plan_model(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, ...], di
     if isinstance(entry, models.ZooEntry) and dataset.startswith("synthetic"):
         return module, entry.loss_fn, entry.make_batch(args.batch_size, torch.Generator().manual_seed(args.seed + 1),
                                                        **config), config  # fmt: skip
-    args.samples = max(args.batch_size, 64)
+    from torch.utils.data import TensorDataset
+
+    from tandem.graph.batch import as_arguments
+
+    args.samples, args.data = max(args.batch_size, 64), dataset  # what _datasets reads
     train_set, _ = _datasets(args, config)
-    return module, entry.loss_fn, tuple(next(iter(data.batches(train_set, args.batch_size)))), config
+    make = data.batches if isinstance(train_set, TensorDataset) else data.loader  # as the Trainer batches it
+    return module, entry.loss_fn, as_arguments(next(iter(make(train_set, args.batch_size)))), config
 
 
 def _job_workers(kind: str | None) -> int:
