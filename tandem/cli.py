@@ -124,7 +124,9 @@ def train(args: argparse.Namespace) -> int:
         StepConfig(**{name: getattr(args, name) for name in step_option_names()})
     except (TypeError, ValueError) as error:
         raise SystemExit(f"tandem train: {error}") from None
-    if args.kvstore not in (None, "local"):
+    from tandem.kvstore.kinds import SERVERLESS_KINDS
+
+    if args.kvstore not in (None, "local", *SERVERLESS_KINDS):
         from tandem import kvstore
 
         if kvstore.is_server():  # a server of the job (tandem launch runs this command in every role)
@@ -279,8 +281,14 @@ def _plan_model(args: argparse.Namespace) -> tuple[Any, Any, tuple[Any, ...], di
 def _job_workers(kind: str | None) -> int:
     """Workers of the job this process belongs to: 1 alone; under `tandem launch` or torchrun the
     topology the launcher put in the environment (torchrun's WORLD_SIZE less the servers)."""
+    from tandem.kvstore.kinds import SERVERLESS_KINDS
+
     if kind in (None, "local"):
         return 1
+    if kind in SERVERLESS_KINDS:
+        from tandem.kvstore.collective.group import Group
+
+        return Group.from_env().size
     from tandem.kvstore.ps.topology import Topology
 
     return Topology.from_env().num_workers

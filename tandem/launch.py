@@ -8,7 +8,9 @@ Every output line is prefixed with its process, e.g. ``[worker 0] loss 0.25``.
 
 The job fails fast: when any process exits nonzero the launcher names it, stops the others
 (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits nonzero. When every worker exits 0 the
-servers finish on their own (each worker says goodbye) and the launcher returns 0.
+servers finish on their own (each worker says goodbye) and the launcher returns 0. With ``-s 0`` the
+job has workers only (the ``collective`` kvstore: ``tandem launch -n 2 -s 0 -- python -m tandem
+train --kvstore collective``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class _Child:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tandem launch``; ``run`` takes the parsed namespace."""
     parser.add_argument("-n", "--num-workers", type=int, required=True, help="worker processes (required)")
-    parser.add_argument("-s", "--num-servers", type=int, default=1, help="server processes")
+    parser.add_argument("-s", "--num-servers", type=int, default=1,
+                        help="server processes (0 for a job of workers only: kvstore='collective')")
     parser.add_argument(
         "--env", action="append", default=[], metavar="K=V", help="extra environment for every process"
     )
@@ -74,9 +77,9 @@ def _validate(args: argparse.Namespace) -> list[str]:
         command = command[1:]
     if not command:
         raise SystemExit(f"{PREFIX} no command: use `tandem launch -n 2 -s 1 -- python train.py`")
-    if args.num_workers < 1 or args.num_servers < 1:
+    if args.num_workers < 1 or args.num_servers < 0:
         raise SystemExit(
-            f"{PREFIX} need -n >= 1 and -s >= 1, got -n {args.num_workers} -s {args.num_servers}"
+            f"{PREFIX} need -n >= 1 and -s >= 0, got -n {args.num_workers} -s {args.num_servers}"
         )
     if args.grace < 0:
         raise SystemExit(f"{PREFIX} --grace must be >= 0, got {args.grace}")

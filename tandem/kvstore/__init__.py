@@ -3,7 +3,8 @@
 ``create("local")`` sums per-device values in this process; ``create("dist_sync")`` and
 ``create("dist_async")`` join a parameter-server job started by ``tandem launch`` or torchrun as a
 worker, and ``serve("dist_sync")`` runs a server of it (see docs/distributed.md); ``dist_p3`` /
-``dist_p3_async`` add priority-based propagation (docs/p3.md).
+``dist_p3_async`` add priority-based propagation (docs/p3.md); ``create("collective")`` joins a job of
+workers only that all-reduce among themselves, by priority too (docs/distributed.md#collective-mode).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 from tandem.kvstore.base import Handle, KVStore
 from tandem.kvstore.config import DistOptions, KVStoreConfig, KVStoreOptionError, P3Options
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, ProtocolError, RemoteError
-from tandem.kvstore.kinds import DISTRIBUTED_KINDS, KINDS, P3_FOR, resolve_kind
+from tandem.kvstore.kinds import DISTRIBUTED_KINDS, KINDS, P3_FOR, SERVERLESS_KINDS, resolve_kind
 from tandem.kvstore.local import LocalKVStore
 
 
@@ -22,7 +23,7 @@ def create(kind: str | KVStoreConfig = "local", **options: Any) -> KVStore:
 
     Options of distributed kinds (each defaults to its TANDEM_* knob): ``bigarray_bound``,
     ``heartbeat``, ``timeout``, ``secret``, ``bind_addr``, ``rendezvous_timeout``, ``exit_on_failure``;
-    ``dist_p3``/``dist_p3_async`` also take ``slice_size`` (or "auto") and ``water_mark`` (docs/p3.md).
+    ``dist_p3``/``dist_p3_async`` and ``collective`` also take ``slice_size`` (or "auto") and ``water_mark`` (docs/p3.md).
     With TANDEM_KVSTORE_P3=1 (``tandem launch --p3``) ``dist_sync``/``dist_async`` become P3 stores.
     The kind and options are resolved into a ``KVStoreConfig`` (which ``kind`` may also be) and checked
     before anything joins the job: a bad one raises ``ValueError`` / ``TypeError`` naming the valid ones.
@@ -42,6 +43,10 @@ def create(kind: str | KVStoreConfig = "local", **options: Any) -> KVStore:
     config = KVStoreConfig.of(kind, **options)
     if not config.distributed:
         return LocalKVStore()
+    if config.kind in SERVERLESS_KINDS:
+        from tandem.kvstore.collective import connect as join_collective
+
+        return join_collective(config)  # type: ignore[no-any-return]
     from tandem.kvstore.ps.job import connect  # imported late: zmq is only needed for distributed runs
 
     return connect(config)
@@ -62,8 +67,10 @@ def serve(kind: str | KVStoreConfig = "dist_sync", **options: Any) -> int:
         ```
     """
     config = KVStoreConfig.of(kind, **options)
-    if not config.distributed:
-        raise ValueError(f"only a distributed kvstore has servers; choose one of {DISTRIBUTED_KINDS}")
+    if not config.distributed or config.kind in SERVERLESS_KINDS:
+        served = tuple(kind for kind in DISTRIBUTED_KINDS if kind not in SERVERLESS_KINDS)
+        where = f" (a {config.kind} job has workers only: tandem launch -s 0)" if config.distributed else ""
+        raise ValueError(f"only a distributed kvstore has servers; choose one of {served}{where}")
     from tandem.kvstore.ps.job import serve as serve_job
 
     return serve_job(config)

@@ -183,18 +183,26 @@ def decode(payloads: Sequence[memoryview], dtype: torch.dtype, numel: int) -> to
 
 def decode_data(config: GradientCompression, data: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """``decode`` of the data frame, for a caller that already read the descriptor (``config_of``)."""
-    kind, threshold = config.type, config.threshold
+    kind = config.type
     if dtype not in COMPRESSIBLE:
         raise ProtocolError(f"{kind} values of a {dtype} key: only float32 and float64 keys are compressed")
     if kind == "2bit":
         if data.nbytes != (numel + 3) // 4:
             raise ProtocolError(f"2bit values of {numel} elements carry {data.nbytes} bytes, not {(numel + 3) // 4}")
-        return _unpack_2bit(torch.frombuffer(data, dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8),
-                            threshold, numel, dtype)  # fmt: skip
-    cast = _CASTS[kind]
+        codes = torch.frombuffer(data, dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8)
+        return decode_tensor(config, codes, dtype, numel)
     if data.nbytes != 2 * numel:
         raise ProtocolError(f"{kind} values of {numel} elements carry {data.nbytes} bytes, not {2 * numel}")
-    return torch.frombuffer(data, dtype=cast).to(dtype) if numel else torch.empty(0, dtype=dtype)
+    return decode_tensor(config, torch.frombuffer(data, dtype=_CASTS[kind]) if numel else None, dtype, numel)
+
+
+def decode_tensor(config: GradientCompression, data: torch.Tensor | None, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The ``numel`` values of ``dtype`` that ``encode_into_residual`` made ``data`` of (None: no elements)."""
+    if data is None or not numel:
+        return torch.empty(0, dtype=dtype)
+    if config.type == "2bit":
+        return _unpack_2bit(data, config.threshold, numel, dtype)
+    return data.to(dtype)
 
 
 def _pack_2bit(codes: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,9 @@ from tandem.kvstore.kinds import DISTRIBUTED_KINDS, KINDS, P3_FOR, resolve_kind
 
 ROUNDS = ("dist_sync", "dist_async")  # how a distributed store's rounds run (DistOptions.kind)
 P3_KINDS = {p3: rounds for rounds, p3 in P3_FOR.items()}  # P3 kind -> the rounds it runs
+# every kind with P3's options (slices, a cap in flight, the tuner) -> the rounds it runs: the collective
+# store's all-reduces are synchronous rounds
+SLICED_KINDS = {**P3_KINDS, "collective": "dist_sync"}
 AUTO = 0  # slice_size (TANDEM_KVSTORE_SLICE_THRESHOLD) meaning "tune it"
 
 
@@ -151,7 +154,7 @@ class KVStoreConfig:
         kind: the kind ``create`` makes, one of ``KINDS`` (under ``TANDEM_KVSTORE_P3=1``, i.e.
             ``tandem launch --p3``, ``resolve`` makes ``dist_sync``/``dist_async`` their P3 kinds).
         dist: the settings of a distributed kind (None for ``local``).
-        p3: P3's own settings, for ``dist_p3`` / ``dist_p3_async`` only.
+        p3: P3's own settings, for ``dist_p3`` / ``dist_p3_async`` and ``collective`` only.
 
     ``create``, ``serve`` and ``Trainer`` take one in place of a kind and its options.
 
@@ -173,11 +176,11 @@ class KVStoreConfig:
             if self.dist is not None or self.p3 is not None:
                 raise ValueError("the local kvstore takes no options (dist and p3 must be None)")
             return
-        rounds = P3_KINDS.get(self.kind, self.kind)
+        rounds = SLICED_KINDS.get(self.kind, self.kind)
         if self.dist is None or self.dist.kind != rounds:
             raise ValueError(f"a {self.kind} store needs dist=DistOptions(kind={rounds!r}, ...), got {self.dist!r}")
-        if (self.p3 is not None) != (self.kind in P3_KINDS):
-            raise ValueError(f"p3=P3Options(...) goes with the P3 kinds {tuple(P3_KINDS)} only; kind is {self.kind!r}")
+        if (self.p3 is not None) != (self.kind in SLICED_KINDS):
+            raise ValueError(f"p3=P3Options(...) goes with the P3 kinds and collective {tuple(SLICED_KINDS)} only; kind is {self.kind!r}")
 
     @property
     def distributed(self) -> bool:
@@ -202,15 +205,15 @@ class KVStoreConfig:
                 raise TypeError(f"the local kvstore takes no options, got {sorted(options)}")
             return KVStoreConfig()
         kind = resolve_kind(kind)
-        valid = DIST_OPTIONS + (P3_OPTIONS if kind in P3_KINDS else ())
+        valid = DIST_OPTIONS + (P3_OPTIONS if kind in SLICED_KINDS else ())
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise TypeError(f"unknown kvstore option(s) {unknown} for kind {kind!r}; valid: {list(valid)}")
         rest = dict(options)
         p3 = None
-        if kind in P3_KINDS:
+        if kind in SLICED_KINDS:
             p3 = P3Options.from_env(rest.pop("slice_size", None), rest.pop("water_mark", None))
-        return KVStoreConfig(kind, DistOptions.from_env(P3_KINDS.get(kind, kind), **rest), p3)
+        return KVStoreConfig(kind, DistOptions.from_env(SLICED_KINDS.get(kind, kind), **rest), p3)
 
     @staticmethod
     def of(kind: str | KVStoreConfig = "local", **options: Any) -> KVStoreConfig:

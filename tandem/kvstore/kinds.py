@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from tandem.env import knob
 
-KINDS = ("local", "dist_sync", "dist_async", "dist_p3", "dist_p3_async")
-"""Every kind ``create`` makes: ``local`` (one process) and the parameter-server kinds.
+KINDS = ("local", "dist_sync", "dist_async", "dist_p3", "dist_p3_async", "collective")
+"""Every kind ``create`` makes: ``local`` (one process), the parameter-server kinds, and ``collective``
+(all-reduce between the workers over ``torch.distributed``, sliced and sent by priority; no servers).
 
 Example:
     ```python
@@ -15,6 +16,7 @@ Example:
     ```
 """
 DISTRIBUTED_KINDS = KINDS[1:]
+SERVERLESS_KINDS = ("collective",)  # distributed kinds whose jobs have workers only (tandem launch -s 0)
 P3_FOR = {"dist_sync": "dist_p3", "dist_async": "dist_p3_async"}  # what TANDEM_KVSTORE_P3=1 (launch --p3) makes of a kind
 """The P3 kind each parameter-server kind becomes under ``TANDEM_KVSTORE_P3=1`` (``tandem launch --p3``).
 

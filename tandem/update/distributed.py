@@ -5,7 +5,7 @@ Three modes, selectable for comparison (``Trainer(..., communication=...)``):
   - ``baseline``: backward completes, then every gradient is pushed, then every parameter pulled.
   - ``overlap``: each gradient is sent (pushpull, whole tensor, FIFO) the moment the backward
     segment that finishes it ends (PaddlePaddle's overlap).
-  - ``p3``: the same on the ``dist_p3`` store: slices, priority ``-layer_index`` (layers nearest the
+  - ``p3``: the same on the ``dist_p3`` (or ``collective``) store: slices, priority ``-layer_index`` (layers nearest the
     input first), a cap on slices in flight. With ``slice_size="auto"`` the store's tuner may decide
     to hold the gradients until backward ends (``send_timing``), where overlap costs more CPU than it
     saves wire time: ``after``, still sent by priority and applied per parameter by the next forward,
@@ -32,6 +32,7 @@ import torch
 from tandem import kvstore, trace
 from tandem.executor import Segment, StepHooks
 from tandem.graph.train_graph import Phase
+from tandem.kvstore.kinds import SERVERLESS_KINDS
 from tandem.step import StepResult, TrainStep
 from tandem.update.base import Apply, Update
 
@@ -41,13 +42,13 @@ MODES = ("baseline", "overlap", "p3")
 def resolve_mode(communication: str, kind: str) -> str:
     """The mode ``communication`` means on a store of ``kind`` (the kind ``kvstore.create`` makes: see
     ``kvstore.resolve_kind``); "auto" is p3 on the P3 kinds, sync or async, and overlap elsewhere."""
-    p3_kinds = kvstore.P3_FOR.values()
+    p3_kinds = (*kvstore.P3_FOR.values(), *SERVERLESS_KINDS)  # the stores that slice and prioritise
     mode = ("p3" if kind in p3_kinds else "overlap") if communication == "auto" else communication
     if mode not in MODES:
         raise ValueError(f"communication must be 'auto' or one of {MODES}, got {communication!r}")
     if mode == "p3" and kind not in p3_kinds:
-        raise ValueError(f"communication='p3' needs kvstore='dist_p3' or 'dist_p3_async' (slices and "
-                         f"priorities; or tandem launch --p3), got {kind!r}")  # fmt: skip
+        raise ValueError(f"communication='p3' needs kvstore='dist_p3', 'dist_p3_async' or 'collective' (slices "
+                         f"and priorities; or tandem launch --p3), got {kind!r}")  # fmt: skip
     return mode
 
 
@@ -77,10 +78,13 @@ class DistributedUpdate(Update):
              communication: str = "auto", update_on_kvstore: bool = True,
              gradient_compression: str | dict[str, Any] | None = None,
              clip_grad_norm: float | None = None) -> DistributedUpdate:  # fmt: skip
-        """Join the parameter-server job the environment describes as a worker (``kvstore.create(kind)``;
-        ``kind`` a kind or a resolved ``kvstore.KVStoreConfig``)."""
+        """Join the job the environment describes as a worker (``kvstore.create(kind)``; ``kind`` a kind or a
+        resolved ``kvstore.KVStoreConfig``). A ``collective`` job has no servers: the optimizer runs here
+        whatever ``update_on_kvstore`` says."""
         config = kvstore.KVStoreConfig.of(kind)
         mode = resolve_mode(communication, config.kind)
+        if config.kind in SERVERLESS_KINDS:
+            update_on_kvstore = False  # no servers: every worker updates with the summed gradients
         if update_on_kvstore and isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError("update_on_kvstore=True runs the optimizer on the servers: pass a tandem.optim "
                             "optimizer, or update_on_kvstore=False to keep a torch.optim optimizer here")

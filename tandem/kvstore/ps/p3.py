@@ -31,7 +31,7 @@ from tandem.kvstore.kinds import P3_FOR
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue
 from tandem.kvstore.ps.p3_reslice import Move, move_slots
 from tandem.kvstore.ps.p3_sender import PrioritySender
-from tandem.kvstore.ps.p3_tuner import DEFAULT_SLICE_SIZE, WATER_MARKS, AutoTuner, Config
+from tandem.kvstore.ps.p3_tuner import AutoTuner, Config, start_slice_size, tuner_for
 from tandem.kvstore.ps.placement import RoundRobinPlacement
 from tandem.kvstore.ps.protocol import Command, Key, Message, Role
 from tandem.kvstore.ps.server import CONTROL_COMMANDS, Server
@@ -53,18 +53,15 @@ class P3KVStore(DistKVStore):
     """
 
     def __init__(self, topology: Topology, options: DistOptions, p3: P3Options) -> None:
-        start = DEFAULT_SLICE_SIZE if p3.auto else p3.slice_size
+        start = start_slice_size(p3)
         super().__init__(topology, options, RoundRobinPlacement(topology.num_servers, start))
         self.kind = P3_FOR[options.kind]
         self.p3 = p3
         self.sender = PrioritySender(self._client, p3.water_mark, start, topology.rank)
         self._client = self.sender  # type: ignore[assignment]  # same interface; queues tensor requests
-        self.tuner: AutoTuner | None = None
-        if p3.auto:
-            marks = tuple(sorted({*WATER_MARKS, p3.water_mark}))
-            self.tuner = AutoTuner(self._apply, self._agree, water_marks=marks, start=Config(start, p3.water_mark))
-            if not options.sync:
-                self.tuner.fix_slice_size()  # async workers cannot agree on a slicing
+        self.tuner: AutoTuner | None = tuner_for(p3, self._apply, self._agree)
+        if self.tuner is not None and not options.sync:
+            self.tuner.fix_slice_size()  # async workers cannot agree on a slicing
         self._live = start  # the slicing the servers' slots are cut by
         self._keys: dict[Key, tuple[tuple[int, ...], torch.dtype]] = {}  # shape and dtype, to move slots
         self._agreements = 0

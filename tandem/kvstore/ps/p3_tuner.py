@@ -39,7 +39,10 @@ import statistics
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from tandem.kvstore.config import P3Options
 
 
 class Config(NamedTuple):
@@ -243,3 +246,17 @@ class AutoTuner:
         if config != self._current:
             self.apply(config)
         self._current = config
+
+
+def start_slice_size(p3: P3Options) -> int:
+    """The slice size a store starts with: the one given, or where the tuner's search starts."""
+    return DEFAULT_SLICE_SIZE if p3.auto else p3.slice_size
+
+
+def tuner_for(p3: P3Options, apply: Callable[[Config], None], agree: Callable[[float], float]) -> AutoTuner | None:
+    """The tuner of a store with ``p3``'s settings (``slice_size="auto"``), or None where nothing is tuned;
+    the water mark given joins the grid, so that the search starts from it."""
+    if not p3.auto:
+        return None
+    marks = tuple(sorted({*WATER_MARKS, p3.water_mark}))
+    return AutoTuner(apply, agree, water_marks=marks, start=Config(DEFAULT_SLICE_SIZE, p3.water_mark))

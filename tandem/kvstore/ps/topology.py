@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,17 @@ def set_torch_threads(topology: Topology) -> int:
     return threads
 
 
-def connect_store(topology: Topology, timeout: float) -> dist.TCPStore:
+class Master(Protocol):
+    """Where a job's rendezvous store listens (a ``Topology``, or the collective store's ``Group``)."""
+
+    @property
+    def master_addr(self) -> str: ...
+
+    @property
+    def master_port(self) -> int: ...
+
+
+def connect_store(topology: Master, timeout: float) -> dist.TCPStore:
     """A client of the job's TCPStore (hosted by ``tandem launch`` or torchrun's agent)."""
     try:
         return dist.TCPStore(topology.master_addr, topology.master_port, is_master=False,
@@ -100,11 +111,18 @@ def connect_store(topology: Topology, timeout: float) -> dist.TCPStore:
 def mean_over_workers(store: dist.TCPStore, name: str, rank: int, num_workers: int, value: float,
                       timeout: float) -> float:  # fmt: skip
     """The mean of every worker's ``value`` under ``name`` (each name once); every worker gets the same float."""
+    values = gather_over_workers(store, name, rank, num_workers, repr(value), timeout)
+    return statistics.fmean(float(value) for value in values)  # same values, same order: same result
+
+
+def gather_over_workers(store: dist.TCPStore, name: str, rank: int, num_workers: int, text: str,
+                        timeout: float) -> list[str]:  # fmt: skip
+    """Every worker's ``text`` under ``name`` (each name once), in rank order, on every worker."""
     keys = [f"{STORE_PREFIX}{name}/{worker}" for worker in range(num_workers)]
-    store.set(keys[rank], repr(value))
+    store.set(keys[rank], text)
     values = _wait_for(store, keys, timeout,
                        lambda missing: f"worker(s) {missing} did not report {name} within {timeout:.0f} s")  # fmt: skip
-    return statistics.fmean(float(value) for value in values)  # same values, same order: same result
+    return [value.decode() for value in values]
 
 
 def from_rank_zero(store: dist.TCPStore, name: str, rank: int, text: str, timeout: float) -> str:

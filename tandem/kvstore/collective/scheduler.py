@@ -1,0 +1,294 @@
+"""The collective store's scheduler: slices all-reduced by priority, the same on every worker.
+
+One process group runs its collectives in the order they are issued, and the slices of every
+worker's i-th collective are summed together: all workers must issue the same slices in the same
+order. Yet *when* a gradient is ready differs between workers, so a plain priority queue (issue the
+highest-priority slice ready here) would issue different slices on each. Workers therefore agree
+before they issue (as Horovod's coordinator does), in *rounds*: one small all-reduce (MIN) on a
+control group of what each worker has, per key: how many operations were submitted, and how many
+of its issued slices completed. The result is the same everywhere: an operation submitted by every
+worker is *agreed* and its slices join the ready queue (highest priority first, FIFO on ties, never
+reordered within a key: ``LanePriorityQueue``); a slice completed everywhere frees its credit. Then
+every worker issues, from the same queue under the same credit, the same slices
+(``all_reduce(slice, async_op=True)`` on the data group), at most ``water_mark`` slices in flight
+(always one where none is): the backlog stays in the queue, where a later higher-priority slice
+overtakes it (P3; ByteScheduler's credit).
+
+A worker starts a round when it has something new to say: an operation not yet agreed, or a slice
+completed since the last round while slices wait. Every other worker eventually has the same to say
+(in a synchronous job every worker submits the same operations), so rounds pair up and none waits
+forever; one round runs at a time. Thread safety: ``submit`` from any thread; one scheduler thread
+runs the rounds and issues; collectives complete on the group's threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem import trace
+from tandem.kvstore.base import Handle
+from tandem.kvstore.compression import (
+    GradientCompression,
+    add_to_residual,
+    decode_tensor,
+    encode_into_residual,
+)
+from tandem.kvstore.errors import KVStoreError
+from tandem.kvstore.ps.p3_queue import LanePriorityQueue
+
+POLL_SECONDS = 0.2  # how often an idle scheduler looks whether it should stop
+
+
+@dataclass(eq=False)
+class Operation:
+    """One all-reduce of a key's value, cut into slices; ``target`` (flat) receives the sum."""
+
+    index: int  # the key's index (init order: the same on every worker)
+    key: Any
+    value: torch.Tensor  # flat, what this worker contributes
+    target: torch.Tensor  # flat, where the sum lands (may be ``value`` itself)
+    slice_size: int
+    priority: int
+    water_mark: int  # the cap in force when it was submitted (the tuner may change it between steps)
+    handle: Handle
+    compression: GradientCompression | None = None
+
+    def slices(self) -> list[tuple[int, int]]:
+        numel = self.value.numel()
+        return [(start, min(start + self.slice_size, numel)) for start in range(0, numel, self.slice_size)]
+
+
+@dataclass(eq=False)
+class _Slice:
+    operation: Operation
+    start: int
+    stop: int
+    number: int  # its place among the operation's slices (for the trace)
+
+
+@dataclass
+class _State:
+    """What this worker knows; ``agreed*`` and the queue are the same on every worker after a round."""
+
+    submitted: list[int] = field(default_factory=list)  # per key: operations submitted here
+    agreed: list[int] = field(default_factory=list)  # per key: operations submitted everywhere
+    waiting: list[deque[Operation]] = field(default_factory=list)  # per key: submitted here, not yet agreed
+    completed: int = 0  # slices completed here
+    agreed_completed: int = 0  # slices completed everywhere
+    issued: int = 0  # slices issued (the same count everywhere)
+    credit: int = 1  # slices allowed in flight: the water mark of the last agreed operation
+
+
+class Scheduler:
+    """Agrees on and issues the slices of submitted operations (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, control: Any, data: Any, timeout: float,
+                 on_error: Callable[[BaseException], None]) -> None:  # fmt: skip
+        """``on_error(error)`` is called once, from the thread that met it, when a collective fails; the
+        caller then ends everything with ``fail`` (with an error naming the cause, where it can)."""
+        self.rank, self.size, self.control, self.data = rank, size, control, data
+        self.timeout, self.on_error = timeout, on_error
+        self._state = _State()
+        self._ready: LanePriorityQueue[_Slice] = LanePriorityQueue()
+        self._cond = threading.Condition()
+        self._residuals: dict[Any, torch.Tensor] = {}  # gradient compression's, per key index (scheduler thread)
+        self._stopping = False
+        self._failed: BaseException | None = None
+        self._broken = False  # a collective failed: no round runs again
+        self._live: set[Operation] = set()  # submitted, not yet done (failed together if the job fails)
+        self.rounds = 0
+        self._row = f"collective (worker {rank})"
+        self._thread = threading.Thread(target=self._run, name=f"tandem-collective-{rank}", daemon=True)
+        self._thread.start()
+
+    def add_key(self) -> int:
+        """Room for one more key (every worker adds its keys in the same order); returns its index."""
+        with self._cond:
+            state = self._state
+            state.submitted.append(0)
+            state.agreed.append(0)
+            state.waiting.append(deque())
+            return len(state.submitted) - 1
+
+    def submit(self, operation: Operation) -> None:
+        """Queue ``operation`` for agreement; never blocks. Its handle completes once every slice is summed."""
+        with self._cond:
+            if self._failed is not None:
+                raise self._failed
+            if self._stopping:
+                raise KVStoreError("this kvstore is closing; no new operations")
+            state = self._state
+            state.submitted[operation.index] += 1
+            state.waiting[operation.index].append(operation)
+            self._live.add(operation)
+            self._cond.notify_all()
+        operation.handle.add_done_callback(lambda handle: self._forget(operation))
+
+    def _forget(self, operation: Operation) -> None:
+        with self._cond:
+            self._live.discard(operation)
+
+    # -- the scheduler thread --------------------------------------------------------------------
+    def _wants_round(self) -> bool:
+        state = self._state
+        if any(mine > agreed for mine, agreed in zip(state.submitted, state.agreed)):
+            return True
+        return bool(self._ready) and state.completed > state.agreed_completed
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._wants_round() or self._broken:
+                        if self._stopping or self._broken:
+                            return
+                        self._cond.wait(POLL_SECONDS)
+                    mine = torch.tensor([*self._state.submitted, self._state.completed], dtype=torch.int64)
+                self._round(mine)
+        except BaseException as error:  # noqa: BLE001 - every waiter learns of it through its handle
+            self.broken(error)
+
+    def _round(self, mine: torch.Tensor) -> None:
+        """One agreement (MIN over workers), then issue what it allows."""
+        start = trace.now_us()
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # the enum member is what it takes
+        self.control.allreduce([mine], options).wait(timedelta(seconds=self.timeout))
+        self.rounds += 1
+        agreed = mine.tolist()
+        with self._cond:
+            state = self._state
+            for index, count in enumerate(agreed[:-1]):  # in key order: the queue is the same everywhere
+                for _ in range(count - state.agreed[index]):
+                    operation = state.waiting[index].popleft()
+                    state.credit = operation.water_mark
+                    for number, (begin, end) in enumerate(operation.slices()):
+                        self._ready.put(_Slice(operation, begin, end, number), operation.priority, index)
+                state.agreed[index] = count
+            state.agreed_completed = agreed[-1]
+            issue = []
+            while self._ready and (state.issued - state.agreed_completed < state.credit
+                                   or state.issued == state.agreed_completed):  # fmt: skip
+                issue.append(self._ready.pop())
+                state.issued += 1
+        if trace.enabled():
+            trace.record("agree", start, trace.now_us(), "comm", {"issue": len(issue)}, self._row)
+        for part in issue:
+            self._issue(part)
+
+    def _issue(self, part: _Slice) -> None:
+        start = trace.now_us()
+        operation, begin, end = part.operation, part.start, part.stop
+        if operation.compression is not None:
+            total = add_to_residual(self._residuals, operation.index, operation.value, begin, end)
+            sent = encode_into_residual(operation.compression, total)
+            gathered = [torch.empty_like(sent) for _ in range(self.size)]
+            work = self.data.allgather([gathered], [sent])
+            finish: Callable[[], None] = _Decode(operation, begin, end, gathered)
+        else:
+            target = operation.target[begin:end]
+            if operation.target is not operation.value:
+                target.copy_(operation.value[begin:end])
+            work = self.data.allreduce([target])
+            finish = _nothing
+        work.get_future().add_done_callback(_Done(self, operation.handle, finish))
+        if trace.enabled():
+            trace.record(f"issue {operation.key}[{part.number}]", start, trace.now_us(), "comm",
+                         {"key": str(operation.key), "slice": part.number, "priority": operation.priority}, self._row)  # fmt: skip
+
+    def _completed(self) -> None:
+        with self._cond:
+            self._state.completed += 1
+            if self._ready:
+                self._cond.notify_all()
+
+    def broken(self, error: BaseException) -> None:
+        """A collective failed with ``error``: no round runs again; ``on_error`` hears of it (once)."""
+        with self._cond:
+            first, self._broken = not self._broken, True
+            self._cond.notify_all()
+        if first:
+            self.on_error(error)
+
+    def fail(self, error: BaseException) -> None:
+        """The job failed: every operation not yet done fails with ``error`` (once), and no round runs again.
+
+        Operations issued and still in flight fail through their handles too (a failed handle ignores
+        its later parts)."""
+        with self._cond:
+            if self._failed is not None:
+                return
+            self._failed, self._broken = error, True
+            self._drain()
+            pending, self._live = self._live, set()
+            self._cond.notify_all()
+        for operation in pending:
+            operation.handle.fail(error)
+
+    def _drain(self) -> list[_Slice]:
+        parts = []
+        while self._ready:
+            parts.append(self._ready.pop())
+        return parts
+
+    def idle(self) -> bool:
+        """Nothing submitted here waits for agreement or to be issued."""
+        with self._cond:
+            state = self._state
+            return not self._ready and all(mine == agreed for mine, agreed in zip(state.submitted, state.agreed))
+
+    def stop(self, timeout: float) -> None:
+        """Stop the scheduler thread once it has nothing to do (or at once where the job failed)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=timeout)
+
+
+def _nothing() -> None:
+    pass
+
+
+class _Decode:
+    """A compressed slice's completion: the sum, in rank order, of every worker's decoded values."""
+
+    __slots__ = ("operation", "start", "stop", "gathered")
+
+    def __init__(self, operation: Operation, start: int, stop: int, gathered: list[torch.Tensor]) -> None:
+        self.operation, self.start, self.stop, self.gathered = operation, start, stop, gathered
+
+    def __call__(self) -> None:
+        operation, numel = self.operation, self.stop - self.start
+        assert operation.compression is not None
+        target = operation.target[self.start : self.stop]
+        dtype = operation.target.dtype
+        target.copy_(decode_tensor(operation.compression, self.gathered[0], dtype, numel))
+        for data in self.gathered[1:]:
+            target.add_(decode_tensor(operation.compression, data, dtype, numel))
+
+
+class _Done:
+    """A slice's future callback (on the group's thread): finish the slice, count it, complete a part."""
+
+    __slots__ = ("scheduler", "handle", "finish")
+
+    def __init__(self, scheduler: Scheduler, handle: Handle, finish: Callable[[], None]) -> None:
+        self.scheduler, self.handle, self.finish = scheduler, handle, finish
+
+    def __call__(self, future: Any) -> None:
+        try:
+            future.value()  # raises the collective's error
+            self.finish()
+        except BaseException as error:  # noqa: BLE001 - reported to the store, which names the cause
+            self.scheduler.broken(error)
+            return
+        self.scheduler._completed()
+        self.handle.part_done()

@@ -1,0 +1,334 @@
+"""``kvstore="collective"``: the workers all-reduce their gradients among themselves; no servers.
+
+A push or pushpull of a key is an all-reduce (sum over workers) of its value, cut into slices of
+``slice_size`` elements, issued by the scheduler (``scheduler.py``) in priority order with at most
+``water_mark`` slices in flight, the same slices in the same order on every worker. What a
+dist_sync store without a server-side optimizer stores, this one computes: the sum of the round's
+pushes, which ``pushpull`` writes into ``out`` and ``pull`` returns. Optimizers run on the workers
+(the Trainer applies each parameter's update to the summed gradient on every worker, so the
+parameters stay identical everywhere). Gradient compression compresses each worker's slice (with
+its error-feedback residual) and all-gathers the compressed slices: every worker decodes and sums
+the same values in rank order, so all get the same sum. ``slice_size="auto"`` tunes the slice size,
+water mark and send timing with P3's tuner, its scores averaged over the workers through the
+rendezvous store, so that every worker switches at the same step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import itertools
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandem.env import knob
+from tandem.kvstore.base import Handle, Key, KVStore, normalize
+from tandem.kvstore.collective.group import Group, Monitor, data_group, exit_later, gloo_group
+from tandem.kvstore.collective.scheduler import Operation, Scheduler
+from tandem.kvstore.compression import COMPRESSIBLE, GradientCompression
+from tandem.kvstore.config import DistOptions, P3Options
+from tandem.kvstore.errors import KVStoreError, PeerFailure
+from tandem.kvstore.ps.p3_tuner import AutoTuner, Config, start_slice_size, tuner_for
+from tandem.kvstore.ps.topology import connect_store, gather_over_workers, mean_over_workers
+
+_STORES_CREATED = itertools.count()  # names each store's keys in the rendezvous store (workers create them in step)
+
+
+class CollectiveKVStore(KVStore):
+    """A worker's collective store (see the module docstring). Drive it from one thread; handles may
+    be waited on anywhere. ``init``, ``barrier`` and ``set_gradient_compression`` are collective.
+
+    Example:
+        ```python
+        kv = tandem.kvstore.create("collective")       # under tandem launch -n 2 -s 0, or torchrun
+        kv.init("w", torch.zeros(3))                   # worker 0's value, on every worker
+        kv.pushpull("w", grad, out=summed).wait()      # summed: the sum of every worker's grad
+        ```
+    """
+
+    kind = "collective"
+
+    def __init__(self, group: Group, options: DistOptions, p3: P3Options, name: str | None = None) -> None:
+        """``name``: what the workers' stores meet under in the rendezvous store (default: the how-manieth
+        store this process makes, the same on every worker when they make them in step)."""
+        self.group, self.options, self.p3 = group, options, p3
+        self.wait_timeout = float(knob("TANDEM_PS_WAIT_TIMEOUT"))
+        self.rendezvous = connect_store(group, options.rendezvous_timeout)
+        name = str(next(_STORES_CREATED)) if name is None else name
+        self.prefix = f"tandem/collective/{group.incarnation}/{name}/"
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.monitor = Monitor(self.rendezvous, self.prefix, group, options.heartbeat, options.timeout, self._fail)
+        connect = max(options.rendezvous_timeout, self.wait_timeout)
+        self._control = gloo_group(self.rendezvous, f"{self.prefix}control/", group, connect)  # the scheduler's rounds
+        self._main = gloo_group(self.rendezvous, f"{self.prefix}main/", group, connect)  # init, from the caller's thread
+        self.monitor.start()
+        self._scheduler: Scheduler | None = None  # made at the first init, with a data group for the values' device
+        self._keys: dict[Key, tuple[int, tuple[int, ...], torch.dtype]] = {}  # key -> index, shape, dtype
+        self._latest: dict[Key, torch.Tensor] = {}  # key -> its last sum (flat), what pull returns
+        self._last: dict[Key, Handle] = {}  # key -> the handle of its last push
+        self._calls = 0  # collective calls through the rendezvous store: names each one's keys
+        self._compression: GradientCompression | None = None
+        self.slice_size, self.water_mark = start_slice_size(p3), p3.water_mark
+        self.send_timing = "during"  # read by the trainer each step (p3_tuner.SEND_TIMINGS)
+        self.tuner: AutoTuner | None = tuner_for(p3, self._apply, self._agree)
+        atexit.register(self._close_at_exit)
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self.group.size
+
+    @property
+    def num_servers(self) -> int:
+        return 0  # no server processes
+
+    @property
+    def rounds(self) -> int:
+        """Agreement rounds run so far (one small all-reduce each; see ``scheduler.py``)."""
+        return self._scheduler.rounds if self._scheduler is not None else 0
+
+    # -- the tuner -------------------------------------------------------------------------------
+    def _apply(self, config: Config) -> None:
+        """A tuner point: taken by the operations submitted from now on (the same step on every worker)."""
+        self.slice_size, self.water_mark, self.send_timing = config.slice_size, config.water_mark, config.send_timing
+
+    def _agree(self, cost: float) -> float:
+        return mean_over_workers(self.rendezvous, self._name("tuner"), self.rank, self.num_workers, cost,
+                                 self.wait_timeout)  # fmt: skip
+
+    def _name(self, what: str) -> str:
+        self._calls += 1
+        return f"{self.prefix}{what}/{self._calls}"
+
+    # -- collective set-up -----------------------------------------------------------------------
+    def init(self, keys: Key | Sequence[Key], values: Any) -> None:
+        """Collective: every worker inits the same keys, in the same order, with the same shapes and
+        dtypes (checked: a difference names the key and both shapes); worker 0's values are stored."""
+        self._check_usable()
+        items = normalize(keys, values, "init")
+        for key, _ in items:
+            if key in self._keys:
+                raise KVStoreError(f"key {key!r} is already initialised; init each key once")
+        mine = [(repr(key), list(tensors[0].shape), str(tensors[0].dtype)) for key, tensors in items]
+        texts = gather_over_workers(self.rendezvous, self._name("init"), self.rank, self.num_workers,
+                                    json.dumps(mine), self.wait_timeout)  # fmt: skip
+        _check_same(mine, [json.loads(text) for text in texts])
+        if self._scheduler is None:
+            device = items[0][1][0].device if items else torch.device("cpu")
+            data = data_group(self.rendezvous, f"{self.prefix}data/", self.group, self.wait_timeout, device)
+            self._scheduler = Scheduler(self.rank, self.num_workers, self._control, data, self.wait_timeout,
+                                        self._collective_failed)  # fmt: skip
+        for key, tensors in items:
+            value = tensors[0].detach().reshape(-1).clone()
+            self._main.broadcast([value], dist.BroadcastOptions()).wait(timedelta(seconds=self.wait_timeout))
+            self._keys[key] = (self._scheduler.add_key(), tuple(tensors[0].shape), tensors[0].dtype)
+            self._latest[key] = value
+
+    def set_gradient_compression(self, params: Any) -> None:
+        """Collective: compress every worker's slices (see the module docstring); the workers must agree."""
+        config = GradientCompression.parse(params)
+        texts = gather_over_workers(self.rendezvous, self._name("compression"), self.rank, self.num_workers,
+                                    f"{config.type}:{config.threshold}", self.wait_timeout)  # fmt: skip
+        if len(set(texts)) != 1:
+            raise KVStoreError(f"the workers set different gradient compressions {texts} (by rank); every "
+                               f"worker of a collective job must set the same")  # fmt: skip
+        self._compression = config if config.enabled else None
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        raise KVStoreError("the collective kvstore has no servers to run an optimizer: update on the workers "
+                           "(tandem.Trainer does: the optimizer runs on each worker, on the summed gradients)")  # fmt: skip
+
+    # -- data ------------------------------------------------------------------------------------
+    def push(self, keys: Key | Sequence[Key], values: Any, priority: int = 0) -> Handle:
+        return self._submit(keys, values, None, priority, "push")
+
+    def pushpull(self, keys: Key | Sequence[Key], values: Any, out: Any = None, priority: int = 0) -> Handle:
+        return self._submit(keys, values, values if out is None else out, priority, "pushpull")
+
+    def _submit(self, keys: Key | Sequence[Key], values: Any, out: Any, priority: int, what: str) -> Handle:
+        self._check_usable()
+        assert self._scheduler is not None  # every key was initialised (_lookup), which made it
+        items = normalize(keys, values, what)
+        outs = normalize(keys, out, what) if out is not None else [(key, []) for key, _ in items]
+        if self.tuner is not None:
+            for key, _ in items:  # before any is submitted: a switch applies to the whole call
+                self.tuner.observe(key)
+        operations, copies = [], []
+        for (key, tensors), (_, targets) in zip(items, outs):
+            index = self._lookup(key, tensors[0], what)
+            for target in targets:
+                self._lookup(key, target, what)
+            value = _flat_sum(tensors)
+            first = targets[0] if targets else None
+            lands = first is not None and first.is_contiguous() and first.device == value.device
+            target = first.view(-1) if lands else torch.empty_like(value)  # type: ignore[union-attr]
+            copies += [(target, other) for other in targets[1 if lands else 0 :]]
+            self._latest[key] = target
+            compression = self._compression if value.dtype in COMPRESSIBLE else None
+            operations.append(Operation(index, key, value, target, self.slice_size, priority, self.water_mark,
+                                        None, compression))  # type: ignore[arg-type]  # fmt: skip
+        parts = sum(len(operation.slices()) for operation in operations)
+        handle = Handle(f"{what} of {_describe([key for key, _ in items])}", parts,
+                        (lambda: _copy_out(copies)) if copies else None)  # fmt: skip
+        for operation in operations:
+            operation.handle = handle
+            self._last[operation.key] = handle
+            if operation.value.numel():
+                self._scheduler.submit(operation)
+        return handle
+
+    def pull(self, keys: Key | Sequence[Key], out: Any, priority: int = 0) -> Handle:
+        """The keys' last sums (their init values before any push), once the pushes before it are done."""
+        self._check_usable()
+        items = normalize(keys, out, "pull")
+        copies = []
+        for key, targets in items:
+            for target in targets:
+                self._lookup(key, target, "pull")
+                copies.append((self._latest[key], target))
+        before = {id(handle): handle for key, _ in items if (handle := self._last.get(key)) is not None}
+        handle = Handle(f"pull of {_describe([key for key, _ in items])}", len(before) + 1,
+                        lambda: _copy_out(copies))  # fmt: skip
+        for earlier in before.values():
+            earlier.add_done_callback(lambda done: handle.fail(done.error) if done.error else handle.part_done())
+        handle.part_done()
+        return handle
+
+    def _lookup(self, key: Key, tensor: torch.Tensor, what: str) -> int:
+        known = self._keys.get(key)
+        if known is None:
+            raise KVStoreError(f"{what} of key {key!r}: key was never initialised; call init first "
+                               f"(with the same keys on every worker)")  # fmt: skip
+        index, shape, dtype = known
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise KVStoreError(f"{what} of key {key!r}: got shape {tuple(tensor.shape)} {tensor.dtype}, but the key "
+                               f"was initialised as {shape} {dtype}")  # fmt: skip
+        return index
+
+    def barrier(self) -> None:
+        """Collective: once this worker's operations are done, wait for every worker to get here."""
+        self._settle()
+        gather_over_workers(self.rendezvous, self._name("barrier"), self.rank, self.num_workers, "", self.wait_timeout)
+
+    def _settle(self) -> None:
+        for handle in list(self._last.values()):
+            handle.wait()
+
+    def save_server_state(self, path: str) -> None:
+        raise KVStoreError("the collective kvstore has no server state: the workers hold the parameters and the "
+                           "optimizer state (save them with tandem.Trainer.save)")  # fmt: skip
+
+    def load_server_state(self, path: str) -> None:
+        self.save_server_state(path)
+
+    # -- failures and closing --------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise KVStoreError("this kvstore is closed; create a new one")
+        if self._failure is not None:
+            raise self._failure
+
+    def _collective_failed(self, error: BaseException) -> None:
+        """A collective failed: gloo says a peer's connection closed, not whose. Give the heartbeats
+        their timeout to name the peer, then fail with that (or with the collective's own error)."""
+
+        def settle() -> None:
+            deadline = time.monotonic() + self.options.timeout + 2 * self.options.heartbeat
+            while self._failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._fail(PeerFailure(f"a collective of the job failed and no worker was found dead: {error}"))
+
+        threading.Thread(target=settle, name="tandem-collective-settle", daemon=True).start()
+
+    def _fail(self, failure: BaseException) -> None:
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = failure
+        if self._scheduler is not None:
+            self._scheduler.fail(failure)
+        print(f"tandem kvstore, worker {self.rank}: {failure}", file=sys.stderr, flush=True)
+        self.monitor.post_abort(f"worker {self.rank}: {failure}")
+        self.monitor.stop(closed=False)
+        if self.options.exit_on_failure and not self._closed:
+            exit_later(self.rank, str(failure))
+
+    def close(self) -> None:
+        self._close()
+
+    def _close(self, abort_reason: str = "") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
+        if abort_reason:
+            self.monitor.post_abort(abort_reason)
+        elif self._failure is None:
+            try:
+                self._settle()
+            except KVStoreError:
+                pass  # the failure is reported where the handle is waited on
+        if self._scheduler is not None:
+            self._scheduler.stop(timeout=self.options.timeout)
+        self.monitor.stop(closed=not abort_reason)
+        self._release_groups()
+
+    def _release_groups(self) -> None:
+        """Drop the process groups here, on the closing thread. Left to the interpreter's exit, a group
+        that ran collectives may be torn down on one of its own threads, which aborts the process."""
+        if self._scheduler is not None:
+            self._scheduler.data = self._scheduler.control = None
+        self._control = self._main = None
+        gc.collect()  # the groups' futures and callbacks may sit in reference cycles
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit: done, or, if the script dies of an exception, tell the others why."""
+        error = getattr(sys, "last_value", None)  # set when an uncaught exception ended the main thread
+        self._close(abort_reason=f"worker {self.rank} died of {type(error).__name__}: {error}" if error else "")
+
+
+def _check_same(mine: list[Any], everyone: list[list[Any]]) -> None:
+    """Every worker's init (key, shape, dtype) list equals worker 0's; else name the first difference."""
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for ours, other in zip(first, theirs):
+            if ours != other:
+                key, shape, dtype = ours
+                other_key, other_shape, other_dtype = other
+                what = (f"key {key} is {tuple(shape)} {dtype} on worker 0 but {tuple(other_shape)} {other_dtype} on "
+                        f"worker {rank}") if key == other_key else f"worker 0 inits {key} where worker {rank} inits {other_key}"  # fmt: skip
+                raise KVStoreError(f"the workers' parameters differ: {what}; every worker must init the same keys "
+                                   f"in the same order with the same shapes (the same model)")  # fmt: skip
+        if len(theirs) != len(first):
+            raise KVStoreError(f"worker 0 inits {len(first)} keys but worker {rank} {len(theirs)}; every worker "
+                               f"must init the same keys (the same model)")  # fmt: skip
+
+
+def _flat_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of per-device values, flat (a view of a single contiguous value: no copy)."""
+    total = tensors[0].detach().reshape(-1)
+    for tensor in tensors[1:]:
+        total = total + tensor.detach().reshape(-1).to(total.device)
+    return total
+
+
+def _copy_out(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for source, target in copies:
+        target.copy_(source.view(target.shape))
+
+
+def _describe(keys: list[Key]) -> str:
+    return f"key {keys[0]!r}" if len(keys) == 1 else f"{len(keys)} keys ({keys[0]!r}, ...)"

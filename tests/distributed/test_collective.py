@@ -1,0 +1,113 @@
+"""kvstore="collective": workers all-reduce among themselves, by priority, no servers (real processes, gloo)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.collective_models import model_and_batch, train_eagerly
+from tests.distributed.jobs import FAST_FAULTS, REPO, SCRIPTS, job_env, launch_command, run_job, worker_lines
+from tests.distributed.test_faults import _log, _start_by_hand
+
+DEADLINE = 30.0
+
+
+def _results(out: Path, workers: int) -> list[dict[str, dict[str, torch.Tensor]]]:
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(workers)]
+
+
+def _assert_same(result: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(result[name], value, rtol=1e-9, atol=1e-11, msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize(("model", "slice_size"), [("resnet", "100"), ("lstm_lm", "100"), ("hf-gpt2", "999")])
+def test_two_workers_equal_ddp_and_one_process(model: str, slice_size: str, tmp_path: Path) -> None:
+    """Sync p3 over all-reduce: the parameters after 10 steps are DDP's (same processes, same rows)
+    and, where no batch norm makes half batches differ, one process's on the whole batch; many
+    slices, most not a multiple of the size, so every tensor is cut and reassembled."""
+    steps = 10
+    job = run_job("collective.py", 2, 0, str(tmp_path), model, str(steps), "8", "p3",
+                  env={"TANDEM_KVSTORE_SLICE_THRESHOLD": slice_size})  # fmt: skip
+    assert len(worker_lines(job.stdout, "collective OK")) == 2, job.stdout
+    module, loss_fn, batch = model_and_batch(model, 8)
+    start = {name: value.detach().clone() for name, value in module.named_parameters()}
+    whole = train_eagerly(module, loss_fn, batch, steps)
+    for rank, result in enumerate(_results(tmp_path, 2)):
+        assert any(not torch.equal(result["collective"][n], start[n]) for n in start), "training changed nothing"
+        _assert_same(result["collective"], result["ddp"], f"rank {rank} vs DDP")
+        if model != "resnet":  # batch norm: statistics of half a batch are not the whole batch's
+            _assert_same(result["collective"], whole, f"rank {rank} vs one process")
+
+
+@pytest.mark.parametrize("workers", [3, 4])
+def test_more_workers_equal_one_process(workers: int, tmp_path: Path) -> None:
+    """3 workers under torchrun (every rank a worker), 4 under tandem launch; the mlp, with held
+    gradients (the tuner's 'after' timing) for 4."""
+    steps, batch = 10, 4 * workers
+    args = [str(tmp_path), "mlp", str(steps), str(batch), "p3" if workers == 3 else "p3-after"]
+    if workers == 3:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                   str(SCRIPTS / "collective.py"), *args]  # fmt: skip
+        job = subprocess.run(command, cwd=REPO, env=job_env(TANDEM_KVSTORE_SLICE_THRESHOLD="7", OMP_NUM_THREADS="1"),
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert job.returncode == 0, f"job failed ({job.returncode}):\n{job.stdout}\n{job.stderr}"
+    else:
+        run_job("collective.py", workers, 0, *args, env={"TANDEM_KVSTORE_SLICE_THRESHOLD": "7"})
+    module, loss_fn, data = model_and_batch("mlp", batch)
+    whole = train_eagerly(module, loss_fn, data, steps)
+    for rank, result in enumerate(_results(tmp_path, workers)):
+        _assert_same(result["collective"], result["ddp"], f"rank {rank} vs DDP")
+        _assert_same(result["collective"], whole, f"rank {rank} vs one process")
+
+
+def test_compression_trains(tmp_path: Path) -> None:
+    """fp16, bf16 and 2-bit with error feedback (one after the other in one job, the mlp on a fixed
+    batch): the loss falls to under half, and every worker holds the same parameters."""
+    kinds = ("fp16", "bf16", "2bit:0.02")
+    run_job("collective.py", 2, 0, str(tmp_path), "mlp", "30", "16", "p3", ",".join(kinds),
+            env={"TANDEM_KVSTORE_SLICE_THRESHOLD": "50"})  # fmt: skip
+    results = _results(tmp_path, 2)
+    for kind in kinds:
+        losses = results[0][f"losses {kind}"]
+        assert losses[-1] < 0.5 * losses[0], (kind, losses)
+        _assert_same(results[1][kind], results[0][kind], f"{kind}: rank 1 vs rank 0")
+
+
+def test_a_dead_peer_ends_the_job_naming_it(tmp_path: Path) -> None:
+    """No launcher to stop the job: the survivors learn from the heartbeats which worker died, and exit."""
+    store, processes = _start_by_hand(tmp_path, 2, 0, "collective_forever.py")
+    log = tmp_path / "worker0.log"
+    try:
+        deadline = time.monotonic() + 60
+        while "step 20" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline and processes["worker 0"].poll() is None, log.read_text()
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        processes["worker 1"].send_signal(signal.SIGKILL)
+        codes = {name: process.wait(timeout=DEADLINE) for name, process in processes.items()}
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for process in processes.values():
+            process.kill()
+        del store
+    logs = {name: _log(tmp_path, name) for name in processes}
+    assert elapsed < DEADLINE, (elapsed, logs)
+    assert all(code != 0 for code in codes.values()), (codes, logs)
+    # a silent peer: named by its rank, pid and host
+    assert f"worker 1 (pid {processes['worker 1'].pid} on" in logs["worker 0"], logs["worker 0"]
+
+
+def test_mismatched_shapes_fail_at_init_naming_both() -> None:
+    command = launch_command("collective_forever.py", 2, 0, "mismatch", env=FAST_FAULTS)
+    job = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert job.returncode != 0, job.stdout
+    assert "key 'w' is (4, 8) torch.float32 on worker 0 but (4, 9) torch.float32 on worker 1" in job.stdout, job.stdout
+    assert "step" not in job.stdout, job.stdout
+

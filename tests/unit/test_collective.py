@@ -1,0 +1,133 @@
+"""The collective kvstore in one process: two workers as two threads over gloo (real collectives, no launcher)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tandem.kvstore.collective.group import Group
+from tandem.kvstore.collective.store import CollectiveKVStore
+from tandem.kvstore.config import DistOptions, KVStoreConfig, P3Options
+from tandem.kvstore.errors import KVStoreError
+
+_JOBS = itertools.count()
+
+
+def _each_worker(workers: int, function: Callable[[CollectiveKVStore], Any], slice_size: int = 7,
+                 water_mark: int = 2) -> list[Any]:  # fmt: skip
+    """``function(store)`` on each of ``workers`` stores, one thread each; returns the results by rank."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    options = DistOptions.from_env("dist_sync", exit_on_failure=False)
+    name = f"unit{next(_JOBS)}"
+
+    def run(rank: int) -> Any:
+        store = CollectiveKVStore(Group(rank, workers, "127.0.0.1", master.port, workers), options,
+                                  P3Options(slice_size, water_mark), name=name)  # fmt: skip
+        try:
+            return function(store)
+        finally:
+            store.close()
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(run, range(workers)))
+
+
+SIZES = [1, 13, 100, 7, 0, 50]  # slices of 7: most tensors end in a short slice; one is empty
+
+
+def test_odd_slices_reassemble_exactly() -> None:
+    keys = [f"k{i}" for i in range(len(SIZES))]
+
+    def work(kv: CollectiveKVStore) -> list[list[torch.Tensor]]:
+        kv.init(keys, [torch.full((size,), float(kv.rank)) for size in SIZES])
+        out = [torch.empty(size) for size in SIZES]
+        kv.pull(keys, out).wait()
+        assert all(bool((value == 0).all()) for value in out), "init: worker 0's values everywhere"
+        steps = []
+        for step in range(3):  # one pushpull per key, produced last layer first, first layer highest priority
+            handles = [kv.pushpull(keys[i], _value(SIZES[i], kv.rank, step), out=out[i], priority=-i)
+                       for i in reversed(range(len(SIZES)))]  # fmt: skip
+            for handle in handles:
+                handle.wait(timeout=30)
+            steps.append([value.clone() for value in out])
+        return steps
+
+    for result in _each_worker(2, work):
+        for step, values in enumerate(result):
+            for size, value in zip(SIZES, values):
+                assert torch.equal(value, _value(size, 0, step) + _value(size, 1, step)), (size, step)
+
+
+def _value(size: int, rank: int, step: int) -> torch.Tensor:
+    return torch.arange(size, dtype=torch.float32) * (rank + 1) + step + 0.25
+
+
+def test_push_then_pull_and_lists_of_keys() -> None:
+    def work(kv: CollectiveKVStore) -> tuple[torch.Tensor, torch.Tensor]:
+        kv.init(["a", "b"], [torch.zeros(3, 5), torch.zeros(20, dtype=torch.float64)])
+        kv.push(["a", "b"], [torch.ones(3, 5), torch.arange(20, dtype=torch.float64)])
+        a, b = torch.empty(3, 5), torch.empty(20, dtype=torch.float64)
+        kv.pull(["a", "b"], [a, b]).wait(timeout=30)  # after the pushes before it
+        kv.barrier()
+        return a, b
+
+    for a, b in _each_worker(2, work):
+        assert torch.equal(a, torch.full((3, 5), 2.0)) and torch.equal(b, 2 * torch.arange(20, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "2bit:0.5"])
+def test_compressed_sums_are_the_same_everywhere_and_feed_back_errors(kind: str) -> None:
+    """Every worker gets the same sum of the compressed pushes; what a push left out comes in later ones."""
+
+    def work(kv: CollectiveKVStore) -> list[torch.Tensor]:
+        kv.set_gradient_compression(kind)
+        kv.init("g", torch.zeros(30))
+        grad = torch.linspace(-1, 1, 30) * (kv.rank + 1) * 0.2  # under 2bit's threshold: it keeps up
+        sums = []
+        for _ in range(8):
+            out = torch.empty(30)
+            kv.pushpull("g", grad, out=out).wait(timeout=30)
+            sums.append(out)
+        return sums
+
+    first, second = _each_worker(2, work)
+    exact = torch.linspace(-1, 1, 30) * 0.6  # the two workers' gradients summed
+    for one, other in zip(first, second):
+        assert torch.equal(one, other)
+    sent = torch.stack(first).mean(0)  # error feedback: on average, what was sent is the gradient
+    # each worker's residual stays under the threshold (2bit) or a rounding error (fp16, bf16)
+    assert (sent - exact).abs().max() <= (2 * 0.5 / 8 if kind.startswith("2bit") else 1e-2), (sent, exact)
+
+
+def test_mismatched_shapes_are_refused_naming_both() -> None:
+    def work(kv: CollectiveKVStore) -> str:
+        with pytest.raises(KVStoreError) as error:
+            kv.init("w", torch.zeros(4, 8 + kv.rank))
+        return str(error.value)
+
+    for message in _each_worker(2, work):
+        assert "key 'w' is (4, 8) torch.float32 on worker 0 but (4, 9) torch.float32 on worker 1" in message
+
+
+def test_options_and_refusals() -> None:
+    config = KVStoreConfig.resolve("collective", slice_size="auto", water_mark=4)
+    assert config.p3 == P3Options(0, 4) and config.dist is not None and config.dist.sync
+    with pytest.raises(TypeError, match="unknown kvstore option"):
+        KVStoreConfig.resolve("collective", nonsense=1)
+
+    def work(kv: CollectiveKVStore) -> None:
+        kv.init("w", torch.zeros(2))
+        with pytest.raises(KVStoreError, match="no servers"):
+            kv.set_optimizer(object())
+        with pytest.raises(KVStoreError, match="never initialised"):
+            kv.push("nope", torch.zeros(2))
+        with pytest.raises(KVStoreError, match=r"got shape \(3,\)"):
+            kv.push("w", torch.zeros(3))
+
+    _each_worker(2, work)
