@@ -11,21 +11,25 @@ from torch import nn
 
 from tandem.planner.profile import Profile, describe, profile
 from tandem.planner.search import Plan, Target, search
-from tandem.planner.sim import MODES
+from tandem.planner.sim import MODES, Machine
 
 
 def plan(model: nn.Module | Profile | str | Path, loss_fn: Any = None, batch: Sequence[Any] | None = None, *,
          name: str = "model", saved: str | Path | None = None, workers: int = 16, servers: int = 4,
          rate: str | float = "10gbit", latency_s: float = 50e-6, modes: Sequence[str] = MODES,
-         measure: bool = False, sweep: bool = True, runs: int = 5, **step_options: Any) -> Plan:  # fmt: skip
+         machine: Machine | None = None, measure: bool = False, sweep: bool = True, runs: int = 5,
+         **step_options: Any) -> Plan:  # fmt: skip
     """Predict samples/s of data-parallel training on ``workers`` workers and ``servers`` servers whose
     links move ``rate`` each way, per communication mode, and recommend one with its knobs.
 
     ``model``: a module (with ``loss_fn`` and one worker's ``batch``: profiled here, with
     ``step_options`` for ``tandem.compile``), a ``Profile``, or the path of a saved one. ``saved``: a
     saved profile to use for ``model`` instead of profiling it, refused (``ProfileMismatch``, naming
-    what differs) unless it is of this ``name``, model and tandem version. ``measure``: measure the
-    CPU per message and the servers' summing rate on this machine instead of the defaults.
+    what differs) unless it is of this ``name``, model and tandem version. ``machine``: the hosts' CPU
+    costs, cores and placement (default ``Machine()``: measured costs, a spare core for every thread;
+    ``tandem.planner.measure.this_machine()``: this machine running every worker and server).
+    ``measure``: measure the CPU costs on this machine instead of ``machine``'s (keeping its cores
+    and placement).
 
     Example:
         ```python
@@ -35,7 +39,8 @@ def plan(model: nn.Module | Profile | str | Path, loss_fn: Any = None, batch: Se
         result.best.strategy                   # Strategy(mode='p3', slice_size=..., water_mark=...)
         ```
     """
-    target = Target(workers, servers, rate, latency_s, tuple(modes), sweep=sweep)  # checked before any profiling
+    target = Target(workers, servers, rate, latency_s, tuple(modes), machine=machine or Machine(),
+                    sweep=sweep)  # checked before any profiling
     if isinstance(model, Profile):
         found = model
     elif isinstance(model, str | Path):
@@ -49,8 +54,9 @@ def plan(model: nn.Module | Profile | str | Path, loss_fn: Any = None, batch: Se
             found.check(name, fingerprint, parameters, shapes)
         else:
             found = profile(model, loss_fn, batch, name, runs=runs, **step_options)
-    if measure:  # else the constants measured once (sim.Cluster's defaults)
-        from tandem.planner.measure import aggregate_bytes_per_s, message_seconds
+    if measure:  # else machine's costs
+        from tandem.planner.measure import measure_machine
 
-        target = dataclasses.replace(target, message_s=message_seconds(), aggregate_Bps=aggregate_bytes_per_s())
+        here = dataclasses.replace(measure_machine(), cores=target.machine.cores, shared_host=target.machine.shared_host)
+        target = dataclasses.replace(target, machine=here)
     return search(found, target)

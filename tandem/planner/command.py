@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from tandem.planner.profile import ProfileMismatch
 from tandem.planner.search import Plan
-from tandem.planner.sim import MODES
+from tandem.planner.sim import MODES, Machine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,8 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None, metavar="JSON",
                         help="use this saved profile instead of profiling (refused if of another model or version)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs of the step when profiling (median per segment)")
+    parser.add_argument("--here", action="store_true",
+                        help="plan for this machine running every worker and server, sharing its cores with each "
+                             "other and with the other work running now (its CPU costs measured once, cached in "
+                             "OUT/machine.json); implied by --validate")
+    parser.add_argument("--cores", type=float, default=None,
+                        help="cores per host (default: a spare core for every thread; with --here: this machine's)")
     parser.add_argument("--measure", action="store_true",
-                        help="measure the CPU per message and the servers' summing rate here (default: measured constants)")
+                        help="measure the CPU costs per message and per byte here (default: measured constants; "
+                             "with --here: measure again instead of reading OUT/machine.json)")
     parser.add_argument("--validate", action="store_true",
                         help="also run the predicted baseline/overlap/p3 jobs here (tandem launch --netns-rate) and compare")
     parser.add_argument("--validate-runs", type=int, default=5, help="--validate: timed runs per job (median)")
@@ -36,10 +44,18 @@ def run(args: argparse.Namespace, module: nn.Module, loss_fn: Any, batch: tuple[
     from tandem.planner.api import plan
 
     out = Path(args.out)
+    machine, measure = None, args.measure
+    if args.here or args.validate:
+        from tandem.planner.measure import background_threads, this_machine
+
+        here = this_machine(out / "machine.json", refresh=args.measure)  # costs: measured once, cached
+        machine, measure = dataclasses.replace(here, background=background_threads()), False  # load: now
     try:
+        if args.cores is not None:
+            machine = dataclasses.replace(machine or Machine(), cores=args.cores)
         result: Plan = plan(module, loss_fn, batch, name=args.model, saved=args.profile, workers=args.workers,
                             servers=args.servers, rate=args.link, latency_s=args.latency_us * 1e-6, modes=args.modes,
-                            measure=args.measure, runs=args.runs, **step_options)  # fmt: skip
+                            machine=machine, measure=measure, runs=args.runs, **step_options)  # fmt: skip
     except (ProfileMismatch, ValueError, TypeError) as error:
         raise SystemExit(f"tandem plan: {error}") from None
     if args.profile is None:

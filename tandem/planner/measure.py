@@ -1,25 +1,43 @@
-"""The two machine constants of the simulation, measured here: CPU per message and a server's summing rate.
+"""The machine constants of the simulation, measured here (``measure_machine``), cached as JSON (``this_machine``).
 
-``message_seconds``: a real ``dist_sync`` server process on loopback and this process as its only
-worker; a pushpull of 4 elements is one request and one reply, each costing CPU at both ends, so one
-message's share is a round trip / 4. ``aggregate_bytes_per_s``: float32 bytes a server adds per
-second (``a.add_(b)`` on 64 MB arrays, beyond the caches as received gradients are, one thread, as a server runs).
+CPU costs are measured as CPU time (``time.process_time`` here, the server's threads' run time from
+``/proc``), not wall time, so a busy machine slows the measurement but hardly changes its result.
+``message_costs``: a real ``dist_sync`` server process on loopback and this process as its only
+worker, pushpulls of 4 elements and of ``large`` elements; a pushpull is one request and one reply,
+so the worker's CPU per pushpull is ``2 (message_s + bytes byte_s)`` and the server's ``2
+(server_message_s + bytes server_byte_s)`` plus the two passes over the bytes the simulator charges
+as summing (the push, the round's update). ``aggregate_bytes_per_s``: float32 bytes a server adds
+per second (``a.add_(b)`` on 64 MB arrays, beyond the caches as received gradients are, one thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
-import torch
+from tandem.planner.sim import Machine
 
 
-def message_seconds(round_trips: int = 300) -> float:
-    """Median seconds of a tiny pushpull on loopback / 4 (two messages, each paid at both ends)."""
+def _thread_seconds(pid: int) -> float:
+    """CPU seconds run so far by the live threads of process ``pid`` (``/proc/PID/task/*/schedstat``, ns)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # the thread ended meanwhile
+    return total / 1e9
+
+
+def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int = 60) -> dict[str, float]:
+    """message_s, byte_s, server_message_s, server_byte_s: CPU per message and per byte, worker and server."""
+    import torch
     import torch.distributed as dist
 
     from tandem.kvstore.config import DistOptions
@@ -29,24 +47,35 @@ def message_seconds(round_trips: int = 300) -> float:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = {**os.environ, "TANDEM_NUM_WORKERS": "1", "TANDEM_NUM_SERVERS": "1", "TANDEM_MASTER_ADDR": "127.0.0.1",
            "TANDEM_MASTER_PORT": str(store.port), "TANDEM_ROLE": "server", "TANDEM_RANK": "0",
-           "TANDEM_NUM_THREADS": "1"}  # fmt: skip
+           "TANDEM_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
     server = subprocess.Popen([sys.executable, "-m", "tandem.kvstore.ps"], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         kv = DistKVStore(Topology("worker", 0, 1, 1, "127.0.0.1", store.port, 2), DistOptions.from_env("dist_sync"))
-        value, out = torch.ones(4), torch.empty(4)
-        kv.init("probe", value)
-        seconds = []
-        for _ in range(round_trips):
-            start = time.perf_counter()
-            kv.pushpull("probe", value, out=out).wait()
-            seconds.append(time.perf_counter() - start)
+        per_trip = {}
+        for numel, trips in ((4, small_trips), (large, large_trips)):
+            value, out = torch.ones(numel), torch.empty(numel)
+            kv.init(f"probe{numel}", value)
+            for _ in range(trips // 10):  # warm up
+                kv.pushpull(f"probe{numel}", value, out=out).wait()
+            worker, served = time.process_time(), _thread_seconds(server.pid)
+            for _ in range(trips):
+                kv.pushpull(f"probe{numel}", value, out=out).wait()
+            per_trip[numel] = ((time.process_time() - worker) / trips, (_thread_seconds(server.pid) - served) / trips)
         kv.close()
     finally:
+        torch.set_num_threads(threads)
         if not _ended(server):
             server.kill()
             server.wait()
-    return statistics.median(seconds[round_trips // 10 :]) / 4  # the first tenth warms up
+    extra = (large - 4) * 4  # bytes more per message
+    (worker_small, server_small), (worker_large, server_large) = per_trip[4], per_trip[large]
+    summing = 2 * extra / aggregate_bytes_per_s()  # what the simulator charges a server as summing
+    return {"message_s": worker_small / 2, "byte_s": max(0.0, (worker_large - worker_small) / (2 * extra)),
+            "server_message_s": server_small / 2,
+            "server_byte_s": max(0.0, (server_large - server_small - summing) / (2 * extra))}  # fmt: skip
 
 
 def _ended(process: subprocess.Popen[bytes], timeout: float = 10.0) -> bool:
@@ -60,6 +89,8 @@ def _ended(process: subprocess.Popen[bytes], timeout: float = 10.0) -> bool:
 
 def aggregate_bytes_per_s(numel: int = 2**24, repeats: int = 20) -> float:
     """Bytes of float32 gradient a server sums per second, one thread."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a server process runs one torch thread
     try:
@@ -71,8 +102,53 @@ def aggregate_bytes_per_s(numel: int = 2**24, repeats: int = 20) -> float:
             seconds.append(time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-    return numel * 4 / statistics.median(seconds)
+    return numel * 4 / min(seconds)  # the least disturbed pass: other work on the machine only adds time
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def background_threads(seconds: float = 2.0, interval: float = 0.02) -> float:
+    """Threads of other work competing for this machine's cores now: the mean of the kernel's count of
+    runnable threads (``/proc/loadavg``'s 4th field) over ``seconds``, less this one. On a quiet machine 0."""
+    samples = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        samples.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+        time.sleep(interval)
+    return max(0.0, sum(samples) / len(samples))
+
+
+def measure_machine(shared_host: bool = True) -> Machine:
+    """This machine: its measured costs and cores; ``shared_host``: every worker and server runs on it."""
+    return Machine(**message_costs(), aggregate_Bps=aggregate_bytes_per_s(), cores=cores(), shared_host=shared_host)
+
+
+def save(machine: Machine, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(machine), indent=1))
+    return path
+
+
+def load(path: str | Path) -> Machine:
+    return Machine(**json.loads(Path(path).read_text()))
+
+
+def this_machine(cache: str | Path | None = None, refresh: bool = False) -> Machine:
+    """This machine, every process on it: read from ``cache`` if there (and not ``refresh``), else measured
+    (a few seconds) and saved there."""
+    if cache is not None and Path(cache).exists() and not refresh:
+        return load(cache)
+    machine = measure_machine()
+    if cache is not None:
+        save(machine, cache)
+    return machine
 
 
 if __name__ == "__main__":
-    print(f"message_s={message_seconds():.3g} aggregate_Bps={aggregate_bytes_per_s():.3g}")
+    found = measure_machine()
+    print(json.dumps(dataclasses.asdict(found)))
+    print(found.describe())

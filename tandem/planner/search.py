@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.planner.profile import Profile
-from tandem.planner.sim import MODES, PS_MODES, Cluster, Prediction, Strategy, Workload, simulate
+from tandem.planner.sim import MODES, PS_MODES, Cluster, Machine, Prediction, Strategy, Workload, simulate
 
 SLICE_SIZES = (5_000, 10_000, 20_000, 40_000, 80_000, 160_000, 320_000)  # the tuner's grid (p3_tuner.py)
 WATER_MARKS = (1, 2, 4, 10, 20, 40, 80, 160)
@@ -53,7 +53,8 @@ def rate_label(bits: float) -> str:
 
 @dataclass(frozen=True)
 class Target:
-    """The cluster to plan for; ``message_s`` / ``aggregate_Bps`` None take the measured defaults."""
+    """The cluster to plan for; ``machine``: its CPU costs, cores and placement (``Machine()``: measured
+    costs, a spare core per thread; ``measure.this_machine()``: this machine, every process on it)."""
 
     workers: int = 16
     servers: int = 4
@@ -61,8 +62,7 @@ class Target:
     latency_s: float = 50e-6
     modes: tuple[str, ...] = MODES
     compressions: tuple[str, ...] = ("fp16", "2bit")  # simulated beside each mode, never recommended
-    message_s: float | None = None
-    aggregate_Bps: float | None = None
+    machine: Machine = Machine()
     sweep: bool = True  # the curves over workers and link rates (for the plot)
 
     def __post_init__(self) -> None:
@@ -80,11 +80,8 @@ class Target:
         self.cluster()  # the rest of the checks
 
     def cluster(self, workers: int | None = None, servers: int | None = None, rate: str | float | None = None) -> Cluster:
-        defaults = {f.name: f.default for f in dataclasses.fields(Cluster) if f.name in ("message_s", "aggregate_Bps")}
         return Cluster(self.workers if workers is None else workers, self.servers if servers is None else servers,
-                       parse_rate(self.rate if rate is None else rate), self.latency_s,
-                       self.message_s if self.message_s is not None else float(defaults["message_s"]),  # type: ignore[arg-type]
-                       self.aggregate_Bps if self.aggregate_Bps is not None else float(defaults["aggregate_Bps"]))  # type: ignore[arg-type]  # fmt: skip
+                       parse_rate(self.rate if rate is None else rate), self.latency_s, self.machine)  # fmt: skip
 
 
 @dataclass
@@ -109,8 +106,7 @@ class Plan:
                  f"{profile.threads} thread{'s' if profile.threads > 1 else ''})",
                  f"cluster: {_count(cluster.workers, 'worker')}, {_count(cluster.servers, 'server')}, "
                  f"{rate_label(cluster.rate_bps)} links, "
-                 f"{cluster.latency_s * 1e6:.0f} us latency; CPU per message {cluster.message_s * 1e6:.0f} us, "
-                 f"servers sum {cluster.aggregate_Bps / 1e9:.1f} GB/s", ""]  # fmt: skip
+                 f"{cluster.latency_s * 1e6:.0f} us latency", f"machine: {cluster.machine.describe()}", ""]  # fmt: skip
         header = f"{'mode':<28}{'samples/s':>10}{'ms/iter':>10}{'compute':>9}{'exposed comm':>13}{'idle':>8}"
         lines += [header, "-" * len(header)]
         for p in self.predictions:

@@ -16,10 +16,16 @@ The network: every host (worker or server) has a full-duplex NIC, an uplink and 
 receiver's downlink ``latency`` later (cut-through), where it queues behind what that downlink
 already carries (incast). Priorities act above the links: in the worker's sender queue and in the
 server's CPU queue, so a high-priority slice waits for at most ``water_mark`` admitted slices (with
-``water_mark=1``, only for the slice on the wire). CPU: every message costs ``message_s`` in the
-sending worker's sender thread and in the receiving worker's IO thread; a server spends
-``message_s + bytes / aggregate_Bps`` per request received, and ``bytes / aggregate_Bps`` plus
-``message_s`` per reply to finish a round. Compute and communication threads do not slow each other.
+``water_mark=1``, only for the slice on the wire).
+CPU (``Machine``): a message costs ``message_s + bytes * byte_s`` in the sending worker's sender
+thread and in the receiving worker's IO thread; a server spends ``server_message_s + bytes *
+server_byte_s + bytes / aggregate_Bps`` per request received (receive and sum), ``bytes /
+aggregate_Bps`` once per round (the update) and ``server_message_s + bytes * server_byte_s`` per
+reply. Every thread's work (compute segments included) runs on its host's ``cores``, shared by
+processor sharing (``CPU``): n busy threads on c cores each progress at min(1, c / n), or
+min(1, c / (n + b)) beside ``Machine.background`` threads of other work. A host is one
+worker or one server (a cluster), or, with ``Machine.shared_host``, one host runs every worker and
+server (this machine under ``tandem launch``), so communication and servers slow compute down.
 """
 
 from __future__ import annotations
@@ -75,15 +81,46 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Machine:
+    """The hosts' CPUs: costs per message and per byte (measured: ``measure.measure_machine``), cores, placement.
+
+    The defaults are costs measured on a 2-core x86_64 machine (CPU time, not wall time) and hosts
+    with a core to spare for every thread (``cores=inf``), one process per host.
+    """
+
+    message_s: float = 29e-6  # a worker's CPU per message sent or received
+    byte_s: float = 0.0  # a worker's CPU per byte sent or received (serialise, copy)
+    server_message_s: float = 29e-6  # a server's CPU per message received or sent
+    server_byte_s: float = 0.0  # a server's CPU per byte received or sent (beyond summing)
+    aggregate_Bps: float = 9.5e9  # float32 bytes/s a server sums (one pass)
+    cores: float = INF  # cores per host
+    shared_host: bool = False  # every worker and server on one host of ``cores`` (one machine); else one each
+    background: float = 0.0  # threads of other work, always runnable, on every host (measure.background_threads)
+
+    def __post_init__(self) -> None:
+        costs = (self.message_s, self.byte_s, self.server_message_s, self.server_byte_s)
+        if not (all(c >= 0 for c in costs) and self.aggregate_Bps > 0 and self.cores > 0 and self.background >= 0):
+            raise ValueError(f"CPU costs and background must be >= 0, aggregate_Bps and cores > 0, got {self}")
+
+    def describe(self) -> str:
+        where = (f"all on one host of {self.cores:g} cores" if self.shared_host
+                 else "one host each" + ("" if self.cores == INF else f", {self.cores:g} cores"))  # fmt: skip
+        if self.background:
+            where += f", {self.background:.1f} threads of other work"
+        return (f"CPU per message {self.message_s * 1e6:.0f} us + {self.byte_s * 1e9:.2f} ns/B (servers "
+                f"{self.server_message_s * 1e6:.0f} us + {self.server_byte_s * 1e9:.2f} ns/B), servers sum "
+                f"{self.aggregate_Bps / 1e9:.1f} GB/s; {where}")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Cluster:
-    """The machines: ``workers`` and ``servers`` hosts, each NIC ``rate_bps`` bits/s each way."""
+    """The machines: ``workers`` and ``servers`` hosts, each NIC ``rate_bps`` bits/s each way, their ``machine``."""
 
     workers: int
     servers: int
     rate_bps: float
     latency_s: float = 50e-6  # one way, NIC to NIC
-    message_s: float = 29e-6  # CPU per message at each end (measure.message_seconds on 2 shared x86_64 cores)
-    aggregate_Bps: float = 9.5e9  # float32 bytes/s a server sums (measure.aggregate_bytes_per_s, same machine)
+    machine: Machine = Machine()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.workers, int) and self.workers >= 1):
@@ -92,8 +129,8 @@ class Cluster:
             raise ValueError(f"servers must be an int >= 0 (0 only for allreduce), got {self.servers!r}")
         if not self.rate_bps > 0:
             raise ValueError(f"link rate must be > 0 bits/s (e.g. '100mbit', '10gbit'), got {self.rate_bps!r}")
-        if not (self.latency_s >= 0 and self.message_s >= 0 and self.aggregate_Bps > 0):
-            raise ValueError("latency_s and message_s must be >= 0, aggregate_Bps > 0")
+        if not self.latency_s >= 0:
+            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
 
     @property
     def bytes_per_s(self) -> float:
@@ -179,14 +216,62 @@ class Events:
             action()
 
 
+class CPU:
+    """A host's ``cores``, shared by processor sharing: while n jobs run beside ``background`` always-runnable
+    threads of other work, each progresses at min(1, cores / (n + background)).
+
+    ``run(seconds, done)``: ``seconds`` of one core's work; ``done`` runs when it is finished.
+    """
+
+    def __init__(self, events: Events, cores: float = INF, background: float = 0.0) -> None:
+        self.events, self.cores, self.background = events, cores, background
+        self.jobs: dict[int, list] = {}  # id -> [seconds left, done]
+        self.stamp, self.epoch, self.ids = 0.0, 0, 0
+
+    def rate(self) -> float:
+        return min(1.0, self.cores / (len(self.jobs) + self.background)) if self.jobs else 1.0
+
+    def run(self, seconds: float, done: Callable[[], None]) -> None:
+        if self.cores == INF:  # never shared: the job takes its own time
+            self.events.at(self.events.now + seconds, done)
+            return
+        self._settle()
+        self.jobs[self.ids] = [seconds, done]
+        self.ids += 1
+        self._schedule()
+
+    def _settle(self) -> None:
+        """Take the work done since the last change off every running job."""
+        now, rate = self.events.now, self.rate()
+        for job in self.jobs.values():
+            job[0] -= (now - self.stamp) * rate
+        self.stamp = now
+
+    def _schedule(self) -> None:
+        self.epoch += 1  # an earlier scheduled finish is stale now
+        if self.jobs:
+            epoch, first = self.epoch, min(job[0] for job in self.jobs.values())
+            self.events.at(self.events.now + max(first, 0.0) / self.rate(), lambda: self._finish(epoch))
+
+    def _finish(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            return
+        self._settle()
+        done = [self.jobs.pop(k)[1] for k, job in list(self.jobs.items()) if job[0] <= 1e-12]
+        self._schedule()
+        for action in done:
+            action()
+
+
 class Resource:
     """One thing that does one job at a time (a link, a thread): jobs in (priority, arrival) order.
 
     ``put(seconds, done, priority, started)``: ``started`` runs when the job begins, ``done`` when it ends.
+    A thread's jobs run on its host's ``cpu`` (so take longer while the host's cores are shared); a link has none.
     """
 
-    def __init__(self, events: Events) -> None:
-        self.events = events
+    def __init__(self, events: Events, cpu: CPU | None = None) -> None:
+        self.events, self.cpu = events, cpu
         self.busy = False
         self._queue: list[tuple[float, int, float, Callable[[], None], Callable[[], None] | None]] = []
         self._order = 0
@@ -206,7 +291,10 @@ class Resource:
         self.busy, now = True, self.events.now
         if started is not None:
             started()
-        self.events.at(now + seconds, partial(self._finish, done))
+        if self.cpu is None:
+            self.events.at(now + seconds, partial(self._finish, done))
+        else:
+            self.cpu.run(seconds, partial(self._finish, done))
 
     def _finish(self, done: Callable[[], None]) -> None:
         done()
@@ -239,14 +327,19 @@ class _PSSim:
         placement = (RoundRobinPlacement(cluster.servers, strategy.slice_size) if strategy.mode == "p3"
                      else RangePlacement(cluster.servers))  # fmt: skip
         self.slices: list[list[Slice]] = [placement.plan(name, n) for name, n in zip(workload.names, numel)]
-        n_workers = cluster.workers
+        n_workers, machine = cluster.workers, cluster.machine
+        self.m = machine
+        cores, background = machine.cores, machine.background
+        shared = CPU(ev, cores, background)  # shared_host: one host runs every process
+        self.cpu = [shared if machine.shared_host else CPU(ev, cores, background) for _ in range(n_workers)]
+        server_cpus = [shared if machine.shared_host else CPU(ev, cores, background) for _ in range(cluster.servers)]
         self.uplink = [Resource(ev) for _ in range(n_workers)]
         self.downlink = [Resource(ev) for _ in range(n_workers)]
-        self.sender = [Resource(ev) for _ in range(n_workers)]  # the worker's sender thread
-        self.receiver = [Resource(ev) for _ in range(n_workers)]  # the worker's IO thread
+        self.sender = [Resource(ev, self.cpu[w]) for w in range(n_workers)]  # the worker's sender thread
+        self.receiver = [Resource(ev, self.cpu[w]) for w in range(n_workers)]  # the worker's IO thread
         self.server_up = [Resource(ev) for _ in range(cluster.servers)]
         self.server_down = [Resource(ev) for _ in range(cluster.servers)]
-        self.server_cpu = [Resource(ev) for _ in range(cluster.servers)]
+        self.server_cpu = [Resource(ev, cpu) for cpu in server_cpus]  # the server's thread
         self.queued: list[list[tuple[float, int, _Request]]] = [[] for _ in range(n_workers)]  # send queues
         self.order = 0
         self.in_flight = [0] * n_workers
@@ -287,7 +380,7 @@ class _PSSim:
                 self.waits.append((started, self.events.now))
             self.wait_since[worker] = None
         self.computing[worker] = True
-        self.events.at(self.events.now + seconds, lambda: self.segment_done(worker, iteration, index))
+        self.cpu[worker].run(seconds, lambda: self.segment_done(worker, iteration, index))
 
     def segment_done(self, worker: int, iteration: int, index: int) -> None:
         w, n_forward = self.w, len(self.w.forward_s)
@@ -327,7 +420,8 @@ class _PSSim:
         while queue and self.in_flight[worker] < self.water_mark:
             _, _, request = heapq.heappop(queue)
             self.in_flight[worker] += 1
-            self.sender[worker].put(self.c.message_s, lambda r=request: self.transmit(r))  # type: ignore[misc]
+            cost = self.m.message_s + request.nbytes * self.m.byte_s
+            self.sender[worker].put(cost, lambda r=request: self.transmit(r))  # type: ignore[misc]
 
     def transmit(self, request: _Request) -> None:
         worker, server = request.worker, request.server
@@ -349,7 +443,8 @@ class _PSSim:
     def arrived(self, request: _Request) -> None:
         self.in_flight[request.worker] -= 1
         self.pump(request.worker)
-        cost = self.c.message_s + request.nbytes / self.c.aggregate_Bps
+        m = self.m
+        cost = m.server_message_s + request.nbytes * m.server_byte_s + request.nbytes / m.aggregate_Bps
         self.server_cpu[request.server].put(cost, lambda: self.served(request), priority=request.priority)
 
     def served(self, request: _Request) -> None:
@@ -365,12 +460,13 @@ class _PSSim:
         if len(arrived) < self.c.workers:
             return
         del self.rounds[key]
-        update = self.slices[request.param][request.slice].numel * 4 / self.c.aggregate_Bps  # one pass over the sum
+        update = self.slices[request.param][request.slice].numel * 4 / self.m.aggregate_Bps  # one pass over the sum
 
         def round_done() -> None:
             self.done_rounds.add(key)
             for r in arrived if request.kind == "pushpull" else self.waiting_pulls.pop(key, []):
-                self.server_cpu[r.server].put(self.c.message_s, lambda r=r: self.reply(r), priority=r.priority)  # type: ignore[misc]
+                cost = self.m.server_message_s + r.reply_bytes * self.m.server_byte_s
+                self.server_cpu[r.server].put(cost, lambda r=r: self.reply(r), priority=r.priority)  # type: ignore[misc]
 
         self.server_cpu[request.server].put(update, round_done, priority=request.priority)
 
@@ -379,7 +475,8 @@ class _PSSim:
 
         def landed() -> None:
             self.on_network(worker, sent)
-            self.receiver[worker].put(self.c.message_s, lambda: self.received(request))
+            cost = self.m.message_s + request.reply_bytes * self.m.byte_s
+            self.receiver[worker].put(cost, lambda: self.received(request))
 
         def head_arrives() -> None:
             self.downlink[worker].put(seconds, landed)
@@ -443,7 +540,7 @@ def allreduce_seconds(nbytes: float, cluster: Cluster) -> float:
     steps = 2 * (cluster.workers - 1)
     if steps == 0:
         return 0.0
-    return steps / cluster.workers * nbytes / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.message_s)
+    return steps / cluster.workers * nbytes / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.machine.message_s)
 
 
 def _allreduce(workload: Workload, cluster: Cluster, strategy: Strategy) -> Prediction:

@@ -1,5 +1,8 @@
 """``tandem plan --validate``: run the jobs a plan predicts on this machine and compare samples/s.
 
+The plan it checks is made for this machine (``--validate`` implies ``--here``: every worker and
+server shares this host's cores, with the other work running as it was planned).
+
 Each mode that tandem can run (baseline, overlap, p3 at the plan's knobs) runs as a ``tandem launch``
 job of the plan's workers and servers, every process in its own network namespace with its link
 shaped to the plan's rate (``--netns-rate``; as root), one torch thread each, server-side SGD. Each

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
-from tandem.planner.sim import Cluster, Strategy, Workload, allreduce_seconds, simulate
+from tandem.planner.sim import CPU, Cluster, Events, Machine, Strategy, Workload, allreduce_seconds, simulate
 
 RATE = 32e6  # bits/s: 4e6 bytes/s, so 4e6 bytes take 1 s on a link
-FREE = {"message_s": 0.0, "aggregate_Bps": 1e30}  # no CPU cost per message or byte
+FREE = {"machine": Machine(message_s=0.0, server_message_s=0.0, aggregate_Bps=1e30)}  # no CPU cost per message or byte
 
 
 def one_gradient(nbytes: int = 4_000_000) -> Workload:
@@ -34,7 +37,7 @@ def test_one_worker_one_server_one_gradient(mode: str) -> None:
 def test_cpu_per_message_and_per_byte() -> None:
     """A pushpull costs message_s four times (send, server receive, server reply, receive); the server
     sums the push (bytes / rate) and passes over the sum once more to finish the round."""
-    cluster = Cluster(1, 1, RATE, latency_s=0.0, message_s=0.001, aggregate_Bps=4e7)
+    cluster = Cluster(1, 1, RATE, latency_s=0.0, machine=Machine(message_s=0.001, server_message_s=0.001, aggregate_Bps=4e7))
     result = simulate(one_gradient(), cluster, Strategy("overlap"))
     assert result.iteration_s == pytest.approx(1.5 + 2.0 + 4 * 0.001 + 2 * 0.1)
 
@@ -73,7 +76,7 @@ def test_water_mark_one_serialises_slices() -> None:
 
 
 def test_ring_allreduce_formula() -> None:
-    cluster = Cluster(4, 0, RATE, latency_s=0.01, message_s=0.001)
+    cluster = Cluster(4, 0, RATE, latency_s=0.01, machine=Machine(message_s=0.001))
     assert allreduce_seconds(4_000_000, cluster) == pytest.approx(2 * 3 / 4 * 1.0 + 6 * (0.01 + 2 * 0.001))
     assert allreduce_seconds(4_000_000, Cluster(1, 0, RATE)) == 0.0
     result = simulate(one_gradient(), cluster, Strategy("allreduce"))
@@ -84,7 +87,7 @@ def test_ring_allreduce_formula() -> None:
 
 def test_allreduce_buckets_overlap_backward() -> None:
     """Bucket b (ready at 3 s) is reduced during a's backward segment; only a's bucket is exposed."""
-    cluster = Cluster(2, 0, RATE, latency_s=0.0, message_s=0.0)
+    cluster = Cluster(2, 0, RATE, latency_s=0.0, machine=Machine(message_s=0.0))
     result = simulate(two_layers(), cluster, Strategy("allreduce", bucket_bytes=1))
     assert result.iteration_s == pytest.approx(4.0 + 1.0)  # each bucket: 2 (W-1)/W x 1 s = 1 s
     assert result.exposed_s == pytest.approx(1.0)
@@ -114,3 +117,79 @@ def test_a_parameter_server_mode_needs_a_server() -> None:
     simulate(one_gradient(), Cluster(2, 0, RATE), Strategy("allreduce"))  # no servers needed
     with pytest.raises(ValueError, match="mode must be one of"):
         Strategy("ring")  # type: ignore[arg-type]
+
+
+# -- CPU contention (Machine.cores, Machine.shared_host) -------------------------------------------------
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1.0, [2.0, 4.0]), (2.0, [1.0, 3.0]), (math.inf, [1.0, 3.0])])
+def test_processor_sharing_by_hand(cores: float, expected: list[float]) -> None:
+    """2 jobs of 1 s and 3 s on 1 core: both at half speed until the first ends at 2 s, then the other
+    alone: it ends at 2 + 2 = 4 s. On 2 cores (or unlimited) neither is slowed."""
+    events = Events()
+    ends: list[float] = []
+    cpu = CPU(events, cores)
+    cpu.run(1.0, lambda: ends.append(events.now))
+    cpu.run(3.0, lambda: ends.append(events.now))
+    events.run()
+    assert ends == pytest.approx(expected)
+
+
+def test_background_threads_take_their_share() -> None:
+    """Jobs of 1 s and 3 s on 1 core beside 1 always-runnable thread of other work: each runs at 1/3 until the
+    first ends at 3 s (the other has 2 s left), then at 1/2: it ends at 3 + 4 = 7 s."""
+    events = Events()
+    ends: list[float] = []
+    cpu = CPU(events, 1.0, background=1.0)
+    cpu.run(1.0, lambda: ends.append(events.now))
+    cpu.run(3.0, lambda: ends.append(events.now))
+    events.run()
+    assert ends == pytest.approx([3.0, 7.0])
+
+
+def test_a_job_arriving_later_slows_the_running_one() -> None:
+    """A 2 s job alone for 1 s (1 s left), then a 0.5 s job joins on 1 core: both at half speed, the short
+    one ends at 1 + 1 = 2 s (the long one has 0.5 s left), the long one at 2.5 s."""
+    events = Events()
+    ends: dict[str, float] = {}
+    cpu = CPU(events, 1.0)
+    cpu.run(2.0, lambda: ends.update(long=events.now))
+    events.at(1.0, lambda: cpu.run(0.5, lambda: ends.update(short=events.now)))
+    events.run()
+    assert ends == pytest.approx({"short": 2.0, "long": 2.5})
+
+
+def test_costs_per_byte_at_both_ends() -> None:
+    """One 4e6-byte pushpull, no latency: the worker pays byte_s on the push it sends and the reply it
+    receives, the server server_byte_s on both and two summing passes (4e6 B / 4e7 B/s = 0.1 s each)."""
+    machine = Machine(message_s=0.0, byte_s=1e-8, server_message_s=0.0, server_byte_s=2e-8, aggregate_Bps=4e7)
+    result = simulate(one_gradient(), Cluster(1, 1, RATE, latency_s=0.0, machine=machine), Strategy("overlap"))
+    assert result.iteration_s == pytest.approx(1.5 + 2.0 + 2 * 0.04 + 2 * 0.08 + 2 * 0.1)
+
+
+def test_a_shared_host_slows_compute_by_its_communication() -> None:
+    """1 worker + 1 server on one core. Worker CPU per message 0.5 s (push sent, reply received); the
+    server's 0.25 s per message (request, reply); links and summing free. Iteration: forward 1 s, backward
+    0.5 s, then one thread at a time: send 0.5, serve 0.25 + 0.25, receive 0.5 = 1.5 s; 3 s in all.
+    Two workers on that core take twice as long; with a core per thread they overlap."""
+    machine = Machine(message_s=0.5, server_message_s=0.25, aggregate_Bps=1e30, cores=1, shared_host=True)
+    fast = dict(latency_s=0.0, rate_bps=1e30)
+    one = simulate(one_gradient(), Cluster(1, 1, machine=machine, **fast), Strategy("overlap"))
+    assert one.iteration_s == pytest.approx(3.0)
+    # two workers on 1 core: compute is 2 x 1.5 s of work on one core; each worker's messages (1 s) and the
+    # server's (4 x 0.25 s) are work on the same core: 3 + 2 + 1 = 6 s per iteration, all of it serialised
+    two = simulate(one_gradient(), Cluster(2, 1, machine=machine, **fast), Strategy("overlap"))
+    assert two.iteration_s == pytest.approx(6.0)
+    spare = dataclasses.replace(machine, cores=math.inf)
+    assert simulate(one_gradient(), Cluster(2, 1, machine=spare, **fast), Strategy("overlap")).iteration_s == \
+        pytest.approx(1.5 + 0.5 + 2 * 0.25 + 0.25 + 0.5)  # compute, send, the two pushes served in turn, w0's reply, receive
+    # (steady state: worker 1 runs 0.25 s behind worker 0, its reply second; its push arrives as the server is free)
+
+
+def test_small_slices_cost_compute_on_a_shared_host() -> None:
+    """Per-message CPU on the shared cores: more slices, slower steps; with a core per thread it hides."""
+    machine = Machine(message_s=0.01, server_message_s=0.01, aggregate_Bps=1e30, cores=2, shared_host=True)
+    cluster = Cluster(2, 2, 1e30, latency_s=0.0, machine=machine)
+    coarse = simulate(two_layers(), cluster, Strategy("p3", slice_size=1_000_000)).iteration_s
+    fine = simulate(two_layers(), cluster, Strategy("p3", slice_size=100_000)).iteration_s
+    assert fine > coarse + 0.1
