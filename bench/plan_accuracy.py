@@ -1,0 +1,260 @@
+"""How close `tandem plan`'s predictions come to real runs on this machine (issue #30).
+
+For every (model, workers + servers, link rate) of the grid: plan for this machine (every worker and
+server on this one host, sharing its cores; ``tandem.planner.measure.this_machine``, its costs
+measured once and cached), then run baseline, overlap and p3 at the plan's knobs as real `tandem
+launch` jobs (``tandem.planner.validate.measure``: ``--netns-rate`` shaping, one torch thread per
+process, server-side SGD, median of ``--runs`` runs of ``--steps`` steady-state steps, the slowest
+worker's) and compare samples/s. Models and batches are bench/p3.py's. "none" is unshaped (loopback,
+planned as 100 Gbit/s links: the per-byte CPU is the limit there).
+
+The constants come from ``measure.py`` and the profile alone; nothing here is fitted to the measured
+runs. Each measured job is appended to ``OUT/jobs.jsonl`` as it ends (with the load average around
+it), so a stopped run resumes, and the table is written from whatever has been measured.
+
+Reproduce: python bench/plan_accuracy.py   (options: --models, --configs 2x1 2x2 3x1 3x2, --rates, --runs)
+Writes bench/out/plan_accuracy.md and bench/out/plan_accuracy.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from anywhere without installing
+
+from bench.common import OUT, command_line, markdown_table, write_report  # noqa: E402
+from bench.p3 import MODELS  # noqa: E402
+
+MODES = ("baseline", "overlap", "p3")
+UNSHAPED = "100gbit"  # what the plan assumes for "none" (loopback)
+
+
+def _profile(model: str, cache: Path) -> Any:
+    """The model's profiled step (bench/p3.py's model and batch), cached."""
+    from tandem.planner.profile import Profile, profile
+
+    if cache.exists():
+        return Profile.load(cache)
+    import torch
+
+    from tandem.models import ZOO
+
+    entry_name, config, batch_size = MODELS[model]
+    entry = ZOO[entry_name]
+    torch.manual_seed(0)
+    module = entry.build(**config)
+    batch = entry.make_batch(batch_size, torch.Generator().manual_seed(1), **config)
+    found = profile(module, entry.loss_fn, batch, model, runs=20)
+    found.save(cache)
+    return found
+
+
+def _key(model: str, workers: int, servers: int, rate: str, mode: str) -> str:
+    return f"{model} {workers}x{servers} {rate} {mode}"
+
+
+def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    from tandem.planner.measure import background_threads, this_machine
+    from tandem.planner.search import Target, search
+    from tandem.planner.validate import Job, measure
+
+    machine = this_machine(out / "machine.json")
+    print(f"machine: {machine.describe()}", flush=True)
+    log = out / "jobs.jsonl"
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            row = json.loads(line)
+            done[_key(row["model"], row["workers"], row["servers"], row["rate"], row["mode"])] = row
+    configs = [tuple(int(n) for n in c.split("x")) for c in args.configs]
+    for workers, servers in configs:
+        for model in args.models:
+            found = _profile(model, out / f"profile_{model}.json")
+            entry_name, config, batch_size = MODELS[model]
+            for rate in args.rates:
+                for mode in MODES:
+                    key = _key(model, workers, servers, rate, mode)
+                    if key in done:
+                        continue
+                    background = background_threads()  # other work on the machine, just before the job
+                    target = Target(workers, servers, UNSHAPED if rate == "none" else rate, modes=MODES,
+                                    compressions=(), machine=dataclasses.replace(machine, background=background),
+                                    sweep=False)  # fmt: skip
+                    predicted = search(found, target).prediction(mode)
+                    assert predicted is not None
+                    strategy = predicted.strategy
+                    env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(strategy.slice_size),
+                           "TANDEM_PS_WATER_MARK": str(strategy.water_mark)} if mode == "p3" else {}  # fmt: skip
+                    job = Job(entry_name, config, batch_size, mode, runs=args.runs, steps=args.steps)
+                    start, load = time.time(), os.getloadavg()[0]
+                    try:
+                        measured = measure(job, workers, servers, rate, env)
+                    except (RuntimeError, OSError) as error:  # one failed job does not end the grid
+                        print(f"{key}: failed: {str(error)[-500:]}", flush=True)
+                        continue
+                    row = {"model": model, "workers": workers, "servers": servers, "rate": rate, "mode": mode,
+                           "label": strategy.label, "predicted": predicted.samples_per_s, "measured": measured,
+                           "seconds": time.time() - start, "load_before": load, "load_after": os.getloadavg()[0],
+                           "background": background, "background_after": background_threads()}  # fmt: skip
+                    done[key] = row
+                    with log.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    print(f"{key}: {strategy.label} predicted {row['predicted']:.1f} measured {measured:.1f} "
+                          f"({row['predicted'] / measured:.2f}) in {row['seconds']:.0f} s, background {background:.1f} "
+                          f"-> {row['background_after']:.1f}",
+                          flush=True)  # fmt: skip
+    return list(done.values())
+
+
+def sweep(args: argparse.Namespace, out: Path) -> str:
+    """P3 at the plan's recommended knobs vs a sweep of slice size and water mark, all as the same jobs."""
+    from tandem.planner.measure import background_threads, this_machine
+    from tandem.planner.search import Target, search
+    from tandem.planner.validate import Job, measure
+
+    model, rate = args.sweep_model, args.sweep_rate
+    workers, servers = (int(n) for n in args.sweep_config.split("x"))
+    entry_name, config, batch_size = MODELS[model]
+    target = Target(workers, servers, UNSHAPED if rate == "none" else rate, modes=("p3",), compressions=(),
+                    machine=dataclasses.replace(this_machine(out / "machine.json"), background=background_threads()),
+                    sweep=False)  # fmt: skip
+    plan = search(_profile(model, out / f"profile_{model}.json"), target)
+    chosen = plan.prediction("p3")
+    assert chosen is not None
+    knobs = (chosen.strategy.slice_size, chosen.strategy.water_mark)
+    points = [(size, 10) for size in (5_000, 10_000, 20_000, 40_000, 160_000)] + [(40_000, m) for m in (1, 4, 40)]
+    rows: list[list[Any]] = []
+    best = 0.0
+    for size, mark in [knobs, *(p for p in points if p != knobs)]:
+        env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(size), "TANDEM_PS_WATER_MARK": str(mark)}
+        measured = measure(Job(entry_name, config, batch_size, "p3", runs=args.runs, steps=args.steps), workers,
+                           servers, rate, env)  # fmt: skip
+        best = max(best, measured)
+        rows.append([size, mark, "recommended" if (size, mark) == knobs else "", measured])
+        print(rows[-1], flush=True)
+    text = markdown_table(["slice size", "water mark", "", "measured samples/s"], rows)
+    return (f"p3 on {model}, {workers} workers + {servers} servers at {rate}: the plan recommends {knobs[0]} "
+            f"elements, water mark {knobs[1]} ({chosen.samples_per_s:.0f} samples/s predicted); measured "
+            f"{rows[0][3]:.1f} samples/s, {float(rows[0][3]) / best:.0%} of the best point swept\n\n{text}")
+
+
+def quiet(row: dict[str, Any], out: Path) -> float:
+    """The prediction of ``row``'s job (its knobs) had the machine had no other work (``background=0``)."""
+    from tandem.planner.measure import load
+    from tandem.planner.profile import Profile
+    from tandem.planner.search import parse_rate
+    from tandem.planner.sim import Cluster, Strategy, simulate
+
+    machine = dataclasses.replace(load(out / "machine.json"), background=0.0)
+    knobs = re.match(r"p3 \((\d+)k, wm (\d+)\)", row["label"])
+    strategy = Strategy(row["mode"], int(knobs[1]) * 1000, int(knobs[2])) if knobs else Strategy(row["mode"])
+    cluster = Cluster(row["workers"], row["servers"], parse_rate(UNSHAPED if row["rate"] == "none" else row["rate"]),
+                      machine=machine)  # fmt: skip
+    workload = Profile.load(out / f"profile_{row['model']}.json").workload()
+    return simulate(workload, cluster, strategy).samples_per_s
+
+
+def _stats(errors: list[float]) -> list[str]:
+    absolute = [abs(e) for e in errors]
+    return [f"{statistics.median(absolute):.0%}", f"{max(absolute):.0%}"]
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> str:
+    order = {m: i for i, m in enumerate(MODES)}
+    rows = sorted(rows, key=lambda r: (r["model"], r["workers"], r["servers"], args.rates.index(r["rate"])
+                                       if r["rate"] in args.rates else 9, order[r["mode"]]))  # fmt: skip
+    errors = [r["predicted"] / r["measured"] - 1 for r in rows]
+    quiets = [quiet(r, out) for r in rows]
+    quiet_errors = [q / r["measured"] - 1 for r, q in zip(rows, quiets)]
+    table = markdown_table(["model", "workers + servers", "link", "mode", "predicted samples/s", "measured",
+                            "error", "other threads before / after", "predicted, no other work", "its error"],
+                           [[r["model"], f"{r['workers']} + {r['servers']}", r["rate"], r["label"], r["predicted"],
+                             r["measured"], f"{e:+.0%}", f"{r['background']:.1f} / {r['background_after']:.1f}", q,
+                             f"{qe:+.0%}"] for r, e, q, qe in zip(rows, errors, quiets, quiet_errors)])  # fmt: skip
+    groups = [(m, [i for i, r in enumerate(rows) if r["mode"] == m]) for m in MODES]
+    groups += [(f"{m} (all modes)", [i for i, r in enumerate(rows) if r["model"] == m]) for m in MODELS]
+    groups += [(f"at {rate}", [i for i, r in enumerate(rows) if r["rate"] == rate]) for rate in args.rates]
+    groups.append(("all", list(range(len(rows)))))
+    summary = [[name, len(index), *_stats([errors[i] for i in index]), *_stats([quiet_errors[i] for i in index])]
+               for name, index in groups if index]  # fmt: skip
+    return (markdown_table(["cases", "jobs", "median abs. error", "worst abs. error", "median, no other work",
+                            "worst, no other work"], summary) + "\n\n" + table)  # fmt: skip
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5.5, 5))
+    markers = {"vgg": "o", "resnet": "s"}
+    for mode in MODES:
+        for model, marker in markers.items():
+            points = [(r["measured"], r["predicted"]) for r in rows if r["mode"] == mode and r["model"] == model]
+            if points:
+                axis.scatter(*zip(*points), marker=marker, label=f"{mode} ({model})", alpha=0.8)
+    low = min(min(r["measured"], r["predicted"]) for r in rows) * 0.8
+    high = max(max(r["measured"], r["predicted"]) for r in rows) * 1.2
+    axis.plot([low, high], [low, high], color="gray")
+    for share, style in ((0.1, "--"), (0.2, ":")):
+        for sign in (1, -1):
+            axis.plot([low, high], [low * (1 + sign * share), high * (1 + sign * share)], color="gray",
+                      linestyle=style, linewidth=0.8)  # fmt: skip
+    axis.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured samples/s",
+             ylabel="predicted samples/s", title="tandem plan on this machine (lines: 0, 10, 20 %)")  # fmt: skip
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--configs", nargs="+", default=["2x2", "2x1", "3x2", "3x1"], help="WORKERSxSERVERS")
+    parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "none"], help="tc rates, or 'none'")
+    parser.add_argument("--runs", type=int, default=5, help="runs per job (median; >= 5)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run")
+    parser.add_argument("--sweep", action="store_true", help="instead: the recommendation vs a p3 knob sweep")
+    parser.add_argument("--sweep-model", default="vgg", choices=list(MODELS))
+    parser.add_argument("--sweep-rate", default="100mbit")
+    parser.add_argument("--sweep-config", default="2x2")
+    parser.add_argument("--report-only", action="store_true", help="write the table from OUT/plan_accuracy/jobs.jsonl")
+    args = parser.parse_args()
+    if args.runs < 5:
+        parser.error("--runs must be >= 5 (medians of at least 5 runs)")
+    out = OUT / "plan_accuracy"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        text = sweep(args, out)
+        print(f"\n{text}\n\nwritten {write_report('plan_sweep', text)}\nreproduce: {command_line()}")
+        return
+    if args.report_only:
+        rows = [json.loads(line) for line in (out / "jobs.jsonl").read_text().splitlines()]
+    else:
+        rows = run_grid(args, out)
+    from tandem.planner.measure import load
+
+    machine = load(out / "machine.json")
+    text = report(rows, args, out)
+    note = (f"`tandem plan` predicted vs measured samples/s on this machine ({machine.describe()}); error = "
+            f"predicted / measured - 1; other threads: runnable threads of other work on the machine in the 2 s "
+            f"before the job (the plan's Machine.background) and after it")  # fmt: skip
+    path = write_report("plan_accuracy", f"{note}\n\n{text}")
+    plot(rows, OUT / "plan_accuracy.png")
+    print(f"\n{note}\n\n{text}\n\nwritten {path} and {OUT / 'plan_accuracy.png'}\nreproduce: {command_line()}")
+
+
+if __name__ == "__main__":
+    main()
