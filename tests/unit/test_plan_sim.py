@@ -10,7 +10,8 @@ import pytest
 from tandem.planner.sim import CPU, Cluster, Events, Machine, Strategy, Workload, allreduce_seconds, simulate
 
 RATE = 32e6  # bits/s: 4e6 bytes/s, so 4e6 bytes take 1 s on a link
-FREE = {"machine": Machine(message_s=0.0, server_message_s=0.0, aggregate_Bps=1e30)}  # no CPU cost per message or byte
+NO_COST = Machine(message_s=0.0, byte_s=0.0, server_message_s=0.0, server_byte_s=0.0, aggregate_Bps=1e30)
+FREE = {"machine": NO_COST}  # no CPU cost per message or byte
 
 
 def one_gradient(nbytes: int = 4_000_000) -> Workload:
@@ -37,7 +38,7 @@ def test_one_worker_one_server_one_gradient(mode: str) -> None:
 def test_cpu_per_message_and_per_byte() -> None:
     """A pushpull costs message_s four times (send, server receive, server reply, receive); the server
     sums the push (bytes / rate) and passes over the sum once more to finish the round."""
-    cluster = Cluster(1, 1, RATE, latency_s=0.0, machine=Machine(message_s=0.001, server_message_s=0.001, aggregate_Bps=4e7))
+    cluster = Cluster(1, 1, RATE, latency_s=0.0, machine=dataclasses.replace(NO_COST, message_s=0.001, server_message_s=0.001, aggregate_Bps=4e7))
     result = simulate(one_gradient(), cluster, Strategy("overlap"))
     assert result.iteration_s == pytest.approx(1.5 + 2.0 + 4 * 0.001 + 2 * 0.1)
 
@@ -172,7 +173,7 @@ def test_a_shared_host_slows_compute_by_its_communication() -> None:
     server's 0.25 s per message (request, reply); links and summing free. Iteration: forward 1 s, backward
     0.5 s, then one thread at a time: send 0.5, serve 0.25 + 0.25, receive 0.5 = 1.5 s; 3 s in all.
     Two workers on that core take twice as long; with a core per thread they overlap."""
-    machine = Machine(message_s=0.5, server_message_s=0.25, aggregate_Bps=1e30, cores=1, shared_host=True)
+    machine = dataclasses.replace(NO_COST, message_s=0.5, server_message_s=0.25, cores=1, shared_host=True)
     fast = dict(latency_s=0.0, rate_bps=1e30)
     one = simulate(one_gradient(), Cluster(1, 1, machine=machine, **fast), Strategy("overlap"))
     assert one.iteration_s == pytest.approx(3.0)
@@ -188,7 +189,7 @@ def test_a_shared_host_slows_compute_by_its_communication() -> None:
 
 def test_small_slices_cost_compute_on_a_shared_host() -> None:
     """Per-message CPU on the shared cores: more slices, slower steps; with a core per thread it hides."""
-    machine = Machine(message_s=0.01, server_message_s=0.01, aggregate_Bps=1e30, cores=2, shared_host=True)
+    machine = dataclasses.replace(NO_COST, message_s=0.01, server_message_s=0.01, cores=2, shared_host=True)
     cluster = Cluster(2, 2, 1e30, latency_s=0.0, machine=machine)
     coarse = simulate(two_layers(), cluster, Strategy("p3", slice_size=1_000_000)).iteration_s
     fine = simulate(two_layers(), cluster, Strategy("p3", slice_size=100_000)).iteration_s
