@@ -58,6 +58,9 @@ _declare("TANDEM_KVSTORE_SLICE_THRESHOLD", int, 40_000, "P3 slice size in elemen
 _declare("TANDEM_KVSTORE_P3", bool, False, "make dist_sync/dist_async stores P3 stores (set by `tandem launch --p3`)")
 _declare("TANDEM_PS_WATER_MARK", int, 10, "P3: max pushes in flight (sent, not yet acknowledged) per worker")
 _declare("TANDEM_PS_HEARTBEAT", float, 1.0, "seconds between heartbeats")
+_declare("TANDEM_PS_COALESCE_BYTES", int, 256 * 1024,
+         "data requests to one server (and a server's replies to one worker) sent together in one message, "
+         "up to this many payload bytes (0: every request its own message)")
 _declare("TANDEM_PS_TIMEOUT", float, 10.0, "seconds without a heartbeat before a peer is declared dead")
 _declare("TANDEM_PS_WAIT_TIMEOUT", float, 300.0, "seconds a kvstore wait (pull, barrier, init) may block before it raises")
 _declare("TANDEM_PS_SECRET", str, "", "shared secret; when set, peers must present it")

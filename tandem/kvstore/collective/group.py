@@ -19,6 +19,7 @@ a dead one.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import sys
@@ -79,8 +80,35 @@ class Group:
 
 
 def gloo_group(store: dist.Store, prefix: str, group: Group, timeout: float) -> Any:
-    """A gloo process group of every worker, meeting under ``prefix`` in ``store``."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), group.rank, group.size, timedelta(seconds=timeout))
+    """A gloo process group of every worker, meeting under ``prefix`` in ``store``.
+
+    Gloo listens on the address its host name resolves to, which on many Linux installs is a
+    loopback address (``127.0.1.1``) that other hosts cannot reach; so unless ``GLOO_SOCKET_IFNAME``
+    chooses an interface, a worker that reaches the store over a real interface listens on that
+    interface's address (the one its peers reach it by, since they reach the same store).
+    """
+    prefixed = dist.PrefixStore(prefix, store)
+    chosen = bool(os.environ.get("GLOO_SOCKET_IFNAME"))
+    address = None if chosen else route_address(group.master_addr, group.master_port)
+    if address is None:
+        return dist.ProcessGroupGloo(prefixed, group.rank, group.size, timedelta(seconds=timeout))
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the gloo options (not typed)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    options._timeout = timedelta(seconds=timeout)
+    return dist.ProcessGroupGloo(prefixed, group.rank, group.size, options)
+
+
+def route_address(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host``, None if that is loopback (or there is no route);
+    sends nothing."""
+    try:
+        family, _, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)  # a UDP connect only picks the route and the source address
+            address = str(probe.getsockname()[0])
+        return None if ipaddress.ip_address(address.split("%")[0]).is_loopback else address
+    except (OSError, ValueError):
+        return None
 
 
 def data_group(store: dist.Store, prefix: str, group: Group, timeout: float, device: torch.device) -> Any:

@@ -42,13 +42,16 @@ from typing import Any
 
 import zmq
 
+from tandem.env import knob
 from tandem.kvstore.config import DistOptions
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, RemoteError
-from tandem.kvstore.ps.protocol import Command, Header, Message, Role
+from tandem.kvstore.ps.protocol import MAX_BATCH_ENTRIES, Command, Header, Message, Role
 from tandem.kvstore.ps.topology import ServerAddress
-from tandem.kvstore.ps.transport import Incoming, WorkerTransport
+from tandem.kvstore.ps.transport import Incoming, WorkerTransport, payload_size
 
 log = logging.getLogger("tandem.kvstore.worker")
+# a request to send: (server, header, payloads, on_reply, on_error), as ``Client.submit`` takes them
+Submission = tuple[int, Header, Sequence[Any], Callable[[Message], None], Callable[[BaseException], None]]
 EXIT_GRACE_SECONDS = 3.0  # time the main thread gets to raise the failure itself before a hard exit
 UNDRIVEN_SECONDS = 0.05  # the sleeping IO thread takes over replies nobody drove for this long (a backstop)
 
@@ -110,6 +113,7 @@ class Client:
         self._io_receiving = True  # the IO thread polls the sockets (else it sleeps on _receiver)
         self._left_to_drivers = False  # a driver took the sockets: the IO thread sleeps until wake_receiver
         self.driven = 0  # replies received by waiting threads rather than the IO thread (for tests)
+        self.coalesce_bytes = knob("TANDEM_PS_COALESCE_BYTES")  # see submit_many
         self._thread = threading.Thread(target=self._run, name=f"tandem-kvstore-worker-{rank}", daemon=True)
         self._thread.start()
 
@@ -151,6 +155,40 @@ class Client:
         except zmq.Again:
             with self._lock:
                 self._pending.pop(request_id, None)
+            raise KVStoreTimeout(f"server {server} ({self.addresses[server]}) accepted no data for "
+                                 f"{self.options.timeout:.1f} s") from None  # fmt: skip
+
+    def submit_many(self, requests: Sequence[Submission]) -> None:
+        """``submit`` each data request, those bound for one server coalesced into BATCH messages
+        (``coalesced``: at most ``coalesce_bytes`` of payload each); the server treats a batch's
+        requests as if they came one by one, in order. Raises as ``submit`` (a batch that was not
+        sent is forgotten, as a request is; batches sent before it stay pending)."""
+        for group in coalesced(requests, self.coalesce_bytes):
+            self.submit_batch(group)
+
+    def submit_batch(self, group: Sequence[Submission]) -> None:
+        """Requests to one server (``group``, as ``coalesced`` makes them) in one message."""
+        if len(group) == 1:
+            self.submit(*group[0])
+            return
+        server = group[0][0]
+        entries = []
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            for _, header, payloads, on_reply, on_error in group:
+                request_id = next(self._ids)
+                self._pending[request_id] = _Request(server, on_reply, on_error, getattr(on_reply, "landing", None),
+                                                     payloads)  # fmt: skip
+                if header.sender_rank != self.rank or header.sender_role is not Role.WORKER:
+                    header = replace(header, sender_role=Role.WORKER, sender_rank=self.rank)
+                entries.append((header, payloads, request_id))
+        try:
+            self.transport.send_batch(server, self.rank, entries)
+        except zmq.Again:
+            with self._lock:
+                for _, _, request_id in entries:
+                    self._pending.pop(request_id, None)
             raise KVStoreTimeout(f"server {server} ({self.addresses[server]}) accepted no data for "
                                  f"{self.options.timeout:.1f} s") from None  # fmt: skip
 
@@ -429,3 +467,25 @@ class Client:
 def message_text(message: Message, default: str = "") -> str:
     """A message's first payload as text (``default`` when it has none)."""
     return bytes(message.payloads[0]).decode("utf-8", "replace") if message.payloads else default
+
+
+def coalesced(requests: Sequence[Submission], limit: int) -> list[list[Submission]]:
+    """``requests`` grouped by server, each server's in their order, a group holding at most ``limit``
+    payload bytes and ``MAX_BATCH_ENTRIES`` requests (a bigger request goes alone; ``limit`` 0: all alone).
+
+    Groups come in the order of their first request: no request leaves later than it would alone
+    by more than the sending of the groups before it, which are what it was queued behind anyway.
+    """
+    if limit <= 0 or len(requests) == 1:
+        return [[request] for request in requests]
+    groups: list[list[Submission]] = []
+    open_groups: dict[int, tuple[list[Submission], list[int]]] = {}  # server -> (its open group, [bytes])
+    for request in requests:
+        nbytes = payload_size(request[2]) if request[2] else 0
+        found = open_groups.get(request[0])
+        if found is None or found[1][0] + nbytes > limit or len(found[0]) == MAX_BATCH_ENTRIES:
+            found = open_groups[request[0]] = ([], [0])
+            groups.append(found[0])
+        found[0].append(request)
+        found[1][0] += nbytes
+    return groups

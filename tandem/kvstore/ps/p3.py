@@ -191,6 +191,9 @@ class PriorityReceive:
               compressed: bool = False) -> None:  # fmt: skip
         self.inner.reply(peer, request, rank, payloads, error, compressed)
 
+    def flush(self, peer: bytes | None = None) -> None:
+        self.inner.flush(peer)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -31,11 +31,13 @@ from typing import Any
 
 from tandem import trace
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure
-from tandem.kvstore.ps.client import Client
+from tandem.kvstore.ps.client import Client, Submission, coalesced
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue
 from tandem.kvstore.ps.protocol import Command, Header, Message
+from tandem.kvstore.ps.transport import payload_size
 
 QUEUED_COMMANDS = frozenset({Command.INIT, Command.PUSH, Command.PULL, Command.PUSHPULL})
+MAX_GROUP = 64  # requests the sender thread takes from the queue at once, to coalesce
 POLL_SECONDS = 0.2  # how often a waiting sender looks for a failed connection
 
 
@@ -130,6 +132,34 @@ class PrioritySender:
             self._queue.put(request, header.priority, request.lane)
             self._cond.notify_all()
 
+    def submit_many(self, requests: Sequence[Submission]) -> None:
+        """``submit`` each (one call's slices: one priority). What the cap lets go at once leaves now,
+        the slices bound for one server coalesced (``Client.submit_many``); the rest is queued."""
+        if self._client.failure is not None:
+            raise self._client.failure
+        if any(header.command not in QUEUED_COMMANDS for _, header, *_ in requests):
+            for submission in requests:
+                self.submit(*submission)
+            return
+        now = trace.now_us()
+        queued = [_Request(server, header, payloads, on_reply, on_error, now)
+                  for server, header, payloads, on_reply, on_error in requests]  # fmt: skip
+        with self._cond:
+            if self._stopping:
+                raise KVStoreError("this kvstore is closing; no new requests")
+            going = 0
+            if not self._queue and not self._handing_over:  # nothing to overtake: as many as the cap allows
+                capped = self._in_flight
+                while going < len(queued) and (not queued[going].capped or capped < self._water_mark):
+                    capped += queued[going].capped
+                    going += 1
+            for request in queued[going:]:
+                self._queue.put(request, request.header.priority, request.lane)
+            if going:  # under the lock, as submit's inline send: every lane stays behind it
+                self._send_group(queued[:going])
+            if going < len(queued):
+                self._cond.notify_all()
+
     def call(self, server: int, header: Header, payloads: Sequence[Any], timeout: float) -> Message:
         return self._client.call(server, header, payloads, timeout)
 
@@ -163,15 +193,62 @@ class PrioritySender:
                     self._cond.wait(POLL_SECONDS)
                     if self._client.failure is not None:
                         self._fail_queued(self._client.failure)
-                request = self._queue.pop()
-                self._handing_over += 1
+                group = self._pop_group()
+                self._handing_over += len(group)
             try:
-                self._send(request)
+                if len(group) == 1:
+                    self._send(group[0])
+                else:
+                    self._send_group(group)
             finally:
                 with self._cond:
-                    self._handing_over -= 1
+                    self._handing_over -= len(group)
             # sent late, maybe after a driver left nothing pending: its waiter may not drive
             self._client.wake_receiver()
+
+    def _pop_group(self) -> list[_Request]:
+        """Caller holds the lock, the queue is sendable: the next request, and after it those that would
+        leave right behind it anyway (under the cap, within ``coalesce_bytes`` of payload in all), to be
+        coalesced per server."""
+        group = [self._queue.pop()]
+        limit = self._client.coalesce_bytes
+        if limit <= 0:
+            return group
+        capped, nbytes = self._in_flight + group[0].capped, _nbytes(group[0])
+        while self._queue and len(group) < MAX_GROUP:
+            following = self._queue.peek()
+            size = _nbytes(following)
+            if nbytes + size > limit or (following.capped and capped >= self._water_mark):
+                break
+            group.append(self._queue.pop())
+            capped += following.capped
+            nbytes += size
+        return group
+
+    def _send_group(self, requests: list[_Request]) -> None:
+        """Send ``requests`` (in priority order), those bound for one server in one message where they fit."""
+        if len(requests) == 1:
+            self._send(requests[0])
+            return
+        start = trace.now_us()
+        submissions: list[Submission] = []
+        for request in requests:
+            slot = self._hold(request) if request.capped else None
+            header = _with_receipt(request.header) if slot is not None and slot.receipt else request.header
+            sent = _Sent(self, request, slot)
+            submissions.append((request.server, header, request.payloads, sent, sent.fail))
+        for group in coalesced(submissions, self._client.coalesce_bytes):
+            try:
+                self._client.submit_batch(group)
+            except (KVStoreTimeout, PeerFailure) as error:
+                for submission in group:
+                    submission[4](error)
+        if trace.enabled():  # one event per request, as if each had been sent alone over the group's time
+            end = trace.now_us()
+            for request in requests:
+                header = request.header
+                trace.record(f"send {header.command.name.lower()} {header.key}[{self._slice(header)}]", start, end,
+                             "comm", self._args(request, start), self._send_row)  # fmt: skip
 
     def _fail_queued(self, error: BaseException) -> None:
         """Caller holds the lock: every queued request fails with ``error``."""
@@ -282,3 +359,7 @@ def _with_receipt(header: Header) -> Header:
     if asking is None:
         asking = header.__dict__["_with_receipt"] = dataclasses.replace(header, receipt=True)
     return asking
+
+
+def _nbytes(request: _Request) -> int:
+    return payload_size(request.payloads) if request.payloads else 0

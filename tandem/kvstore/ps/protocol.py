@@ -30,12 +30,14 @@ import torch
 from tandem.kvstore.errors import ProtocolError
 
 MAGIC = b"TDKV"
-VERSION = 4  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked); 3: TAKE and PUT;
-# 4: the COMPRESSED flag (gradient compression, tandem.kvstore.compression)
+VERSION = 5  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked); 3: TAKE and PUT;
+# 4: the COMPRESSED flag (gradient compression, tandem.kvstore.compression); 5: BATCH
 MAC_BYTES = 32
 MAX_NDIM = 16
 MAX_KEY_BYTES = 1024
 MAX_PAYLOADS = 8
+MAX_BATCH_ENTRIES = 127  # messages coalesced into one BATCH
+MAX_BATCH_PAYLOADS = 1 + 2 * MAX_BATCH_ENTRIES  # its index frame, then at most 2 frames per entry (a u8 field)
 
 # magic, version, command, flags, request_id, timestamp, sender_role, sender_rank, priority,
 # key_kind, key_len, dtype, ndim, slice_start, slice_stop, payload_count, payload_nbytes
@@ -67,6 +69,7 @@ class Command(IntEnum):
     RECEIVED = 13  # server -> worker: the request arrived and waits for other workers (P3)
     TAKE = 14  # a slot's value and optimizer state, removed from the server (P3 moving to another slicing)
     PUT = 15  # a new slot with a value and optimizer state (where TAKE's go)
+    BATCH = 16  # several data requests (or replies) to one peer in one message (``encode_batch_index``)
 
 
 class Flag(IntFlag):
@@ -280,6 +283,7 @@ _ROLES = {int(role): role for role in Role}
 _KEY_KINDS = {int(kind): kind for kind in KeyKind}
 _RESPONSE, _ERROR, _SIGNED, _RECEIPT = int(Flag.RESPONSE), int(Flag.ERROR), int(Flag.SIGNED), int(Flag.RECEIPT)
 _COMPRESSED = int(Flag.COMPRESSED)
+_BATCH = int(Command.BATCH)
 _KNOWN_FLAGS = _RESPONSE | _ERROR | _SIGNED | _RECEIPT | _COMPRESSED
 
 
@@ -374,8 +378,9 @@ def _parse_header(frame: bytes, secret: bytes) -> Header:
         raise ProtocolError(f"key of {key_len} bytes, at most {MAX_KEY_BYTES} allowed")
     if len(body) != FIXED.size + 8 * ndim + key_len:
         raise ProtocolError("header length does not match its ndim and key length")
-    if payload_count > MAX_PAYLOADS:
-        raise ProtocolError(f"{payload_count} payload frames, at most {MAX_PAYLOADS} allowed")
+    most = MAX_BATCH_PAYLOADS if command == _BATCH else MAX_PAYLOADS
+    if payload_count > most:
+        raise ProtocolError(f"{payload_count} payload frames, at most {most} allowed")
     shape = _SHAPE_STRUCTS[ndim].unpack_from(body, FIXED.size) if ndim else ()
     if ndim and min(shape) < 0:
         raise ProtocolError(f"negative dimension in shape {shape}")
@@ -476,3 +481,69 @@ def tensor_from_bytes(payload: memoryview, dtype: torch.dtype, numel: int) -> to
     if numel == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(payload, dtype=dtype, count=numel)
+
+
+# A BATCH message: ``[batch header, index, entry 0's payloads..., entry 1's payloads...]``. The index
+# is a u16 entry count, then per entry a u16 length and that entry's own header frame (exactly what
+# it would carry alone: signed when the job has a secret, its payload count and bytes filled in).
+# Entries are data requests, or replies to them, all from the batch's sender; each is validated as
+# if it had arrived alone, and together they must account for every frame and byte that arrived.
+BATCHABLE = TENSOR_COMMANDS
+_U16 = struct.Struct("<H")
+MAX_ENTRY_BYTES = FIXED.size + 8 * MAX_NDIM + MAX_KEY_BYTES + MAC_BYTES
+
+
+def encode_batch_index(heads: Sequence[bytes]) -> bytes:
+    """The index frame of a BATCH carrying the messages whose header frames are ``heads`` (in order)."""
+    if not 1 <= len(heads) <= MAX_BATCH_ENTRIES:
+        raise ValueError(f"a batch carries 1 to {MAX_BATCH_ENTRIES} messages, got {len(heads)}")
+    parts = [_U16.pack(len(heads))]
+    for head in heads:
+        parts.append(_U16.pack(len(head)))
+        parts.append(head)
+    return b"".join(parts)
+
+
+def decode_batch_index(batch: Header, index: bytes, secret: bytes = b"") -> list[Header]:
+    """The entries' headers of a BATCH whose header is ``batch`` and index frame ``index``, validated.
+
+    Each entry is a data request (or, in a response batch, a reply) of the batch's sender, and the
+    entries' payloads add up to the batch's own payload count and bytes (after the index).
+    """
+    _check(batch.command is Command.BATCH, f"{batch.command.name} is not a batch")
+    _check(len(index) >= _U16.size, "batch index frame is truncated")
+    (count,) = _U16.unpack_from(index)
+    _check(1 <= count <= MAX_BATCH_ENTRIES, f"batch of {count} entries, 1 to {MAX_BATCH_ENTRIES} allowed")
+    headers, offset, frames, nbytes = [], _U16.size, 0, len(index)
+    for _ in range(count):
+        _check(offset + _U16.size <= len(index), "batch index frame is truncated")
+        (length,) = _U16.unpack_from(index, offset)
+        offset += _U16.size
+        _check(length <= MAX_ENTRY_BYTES, f"batch entry header of {length} bytes, at most {MAX_ENTRY_BYTES}")
+        _check(offset + length <= len(index), "batch index frame is truncated")
+        header = decode_header(index[offset : offset + length], secret)
+        offset += length
+        _check(header.command in BATCHABLE, f"a batch may not carry {header.command.name}")
+        _check(header.response == batch.response and header.sender_role == batch.sender_role
+               and header.sender_rank == batch.sender_rank,
+               "a batch entry's sender or direction differs from its batch's")  # fmt: skip
+        frames += header.payload_count
+        nbytes += header.payload_nbytes
+        headers.append(header)
+    _check(offset == len(index), "batch index frame has trailing bytes")
+    _check(frames + 1 == batch.payload_count, f"batch entries announce {frames} payload frames, the batch {batch.payload_count - 1}")
+    _check(nbytes == batch.payload_nbytes, "batch entries' payload bytes do not add up to the batch's")
+    return headers
+
+
+def split_batch(message: Message, secret: bytes = b"") -> list[Message]:
+    """The messages a received BATCH carries (checked by ``attach`` against its header already)."""
+    _check(bool(message.payloads), "a batch without its index frame")
+    headers = decode_batch_index(message.header, bytes(message.payloads[0]), secret)
+    frames = message.frames if message.frames is not None else message.payloads
+    messages, position = [], 1
+    for header in headers:
+        end = position + header.payload_count
+        messages.append(attach(header, frames[position:end]))
+        position = end
+    return messages

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tandem.env import knob
 from tandem.kvstore import compression
 from tandem.kvstore.compression import GradientCompression
 from tandem.kvstore.config import DistOptions
@@ -84,7 +85,8 @@ class Server:
         self.topology, self.options = topology, options
         self.rank = topology.rank
         self.table = SlotTable()
-        self.transport = ServerTransport(options.secret_bytes, options.bind_addr)
+        # replies to the requests of one poll go out together, per worker (TANDEM_PS_COALESCE_BYTES)
+        self.transport = ServerTransport(options.secret_bytes, options.bind_addr, knob("TANDEM_PS_COALESCE_BYTES"))
         self.address = ServerAddress(public_endpoint(options.bind_addr, self.transport.port))
         self.workers: dict[int, _WorkerState] = {}
         self.rounds: dict[SlotId, _Rounds] = {}
@@ -117,6 +119,7 @@ class Server:
             while not self._finished():
                 for incoming in self.transport.poll(self.options.heartbeat):
                     self._dispatch(incoming)
+                self.transport.flush()
                 self._check_workers(started)
             return 0
         except PeerFailure as failure:
@@ -440,8 +443,10 @@ class Server:
 
 
 def _sum(tensors: list[torch.Tensor]) -> torch.Tensor:
-    total = tensors[0].clone()
-    for tensor in tensors[1:]:
+    """The sum in rank order (deterministic, and bit for bit what the workers' order gives): the first
+    two added into a new tensor in one op, the rest added in place."""
+    total = torch.add(tensors[0], tensors[1])
+    for tensor in tensors[2:]:
         total.add_(tensor)
     return total
 

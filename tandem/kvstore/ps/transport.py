@@ -45,13 +45,20 @@ from zmq.backend.cython import _zmq as pyzmq_backend
 
 from tandem.kvstore.errors import ProtocolError
 from tandem.kvstore.ps.protocol import (
+    BATCHABLE,
+    MAX_BATCH_ENTRIES,
+    Command,
     Header,
     Message,
+    Role,
     attach,
     decode,
+    decode_batch_index,
     decode_header,
+    encode_batch_index,
     encode_header,
     encode_reply,
+    split_batch,
     tensor_bytes,
 )
 
@@ -111,25 +118,72 @@ class _Endpoint:
 class ServerTransport(_Endpoint):
     """A server's ROUTER, bound to ``bind_addr`` on an ephemeral port (``port``); peers are routing ids."""
 
-    def __init__(self, secret: bytes, bind_addr: str) -> None:
+    def __init__(self, secret: bytes, bind_addr: str, coalesce_bytes: int = 0) -> None:
         super().__init__(secret)
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 500)
         self.port = self.socket.bind_to_random_port(f"tcp://{bind_addr}")
         self._poll_items = [(self.socket, POLLIN)]  # built once: Socket.poll builds a Poller per call
+        self.coalesce_bytes = coalesce_bytes  # replies held per peer up to this many bytes (0: none held)
+        self._held: dict[bytes, list[tuple[bytes, Sequence[Any], int]]] = {}  # peer -> (head, payloads, bytes)
+        self._held_bytes: dict[bytes, int] = {}
+        self._batch_head: Header | None = None
+        self.sent = 0  # messages sent (a batch counts once), for benchmarks and tests
 
     def send(self, peer: bytes, header: Header, payloads: Sequence[Any] = ()) -> None:
-        """Send to the worker whose routing id is ``peer``. Big payloads are read after this returns:
-        send only memory that nobody changes (a received frame, a tensor rebound rather than updated)."""
+        """Send to the worker whose routing id is ``peer`` (after any replies held for it). Big payloads
+        are read after this returns: send only memory that nobody changes (a received frame, a tensor
+        rebound rather than updated)."""
+        if peer in self._held:
+            self.flush(peer)
         self._send(peer, self._head(header, payloads), payloads)
 
     def reply(self, peer: bytes, request: Header, rank: int, payloads: Sequence[Any] = (), error: bool = False,
               compressed: bool = False) -> None:  # fmt: skip
-        """Answer ``request`` (``send`` of its response header, built in one step)."""
-        head = encode_reply(request, rank, self.secret, len(payloads), payload_size(payloads), error, compressed)
-        self._send(peer, head, payloads)
+        """Answer ``request`` (``send`` of its response header, built in one step).
+
+        With ``coalesce_bytes``, replies to data requests are held and go out together at the next
+        ``flush`` (one BATCH message per peer), or as soon as the peer's held bytes reach the bound.
+        """
+        nbytes = payload_size(payloads) if payloads else 0
+        head = encode_reply(request, rank, self.secret, len(payloads), nbytes, error, compressed)
+        if not self.coalesce_bytes or request.command not in BATCHABLE:
+            if peer in self._held:
+                self.flush(peer)
+            self._send(peer, head, payloads)
+            return
+        if self._batch_head is None:
+            self._batch_head = Header(Command.BATCH, 0, Role.SERVER, rank, response=True)
+        held = self._held.get(peer)
+        if held is not None and self._held_bytes[peer] + nbytes > self.coalesce_bytes:
+            self.flush(peer)
+            held = None
+        if held is None:
+            held = self._held[peer] = []
+            self._held_bytes[peer] = 0
+        held.append((head, payloads, nbytes))
+        self._held_bytes[peer] += nbytes
+        if self._held_bytes[peer] >= self.coalesce_bytes or len(held) == MAX_BATCH_ENTRIES:
+            self.flush(peer)
+
+    def flush(self, peer: bytes | None = None) -> None:
+        """Send the replies held for ``peer`` (every peer if None): one message, a BATCH if several."""
+        for target in [peer] if peer is not None else list(self._held):
+            held = self._held.pop(target, None)
+            nbytes = self._held_bytes.pop(target, 0)
+            if not held:
+                continue
+            if len(held) == 1:
+                self._send(target, held[0][0], held[0][1])
+                continue
+            assert self._batch_head is not None  # set with the first held reply
+            index = encode_batch_index([head for head, _, _ in held])
+            payloads = [index, *(payload for _, entry, _ in held for payload in entry)]
+            head = encode_header(self._batch_head, self.secret, len(payloads), len(index) + nbytes)
+            self._send(target, head, payloads)
 
     def _send(self, peer: bytes, head: bytes, payloads: Sequence[Any]) -> None:
+        self.sent += 1
         _send(self.socket, peer, SNDMORE)
         _send(self.socket, head, SNDMORE if payloads else 0)
         _send_payloads(self.socket, payloads)
@@ -148,7 +202,11 @@ class ServerTransport(_Endpoint):
             head = socket.recv(NOBLOCK)  # the header as bytes: cheaper than a Frame object
             frames = socket.recv_multipart(NOBLOCK, copy=False) if socket.get(RCVMORE) else []
             try:
-                received.append(Incoming(peer, attach(decode_header(head, self.secret), frames)))
+                message = attach(decode_header(head, self.secret), frames)
+                if message.header.command is Command.BATCH:  # its messages, handled as if they came alone
+                    received.extend(Incoming(peer, entry) for entry in split_batch(message, self.secret))
+                else:
+                    received.append(Incoming(peer, message))
             except ProtocolError as error:
                 received.append(Incoming(peer, None, error))
         return received
@@ -179,6 +237,9 @@ class WorkerTransport(_Endpoint):
         self._poller.register(self._wake_read, select.POLLIN)
         for socket in self.sockets:  # the descriptors, not the sockets: polling a socket would use it unlocked
             self._poller.register(cast(int, socket.get(zmq.FD)), select.POLLIN)
+        self._batch_heads: dict[int, Header] = {}  # rank -> the header of its BATCH requests
+        self.sent = 0  # messages sent (a batch counts once), for benchmarks and tests
+        self.received = 0  # messages received (likewise)
 
     def _dealer(self, endpoint: str, identity: bytes, send_timeout: float) -> zmq.Socket:
         socket = self.context.socket(zmq.DEALER)
@@ -208,7 +269,20 @@ class WorkerTransport(_Endpoint):
 
         ``request_id`` overrides the header's (so callers need not rebuild the frozen header).
         """
-        head = self._head(header, payloads, request_id)
+        self._transmit(server, self._head(header, payloads, request_id), payloads, wait)
+
+    def send_batch(self, server: int, rank: int, entries: Sequence[tuple[Header, Sequence[Any], int]]) -> None:
+        """Send several data requests ``(header, payloads, request id)`` to ``server`` as one BATCH message
+        (``send`` for the rest: thread safe, raises ``zmq.Again``, payloads kept alive by the caller)."""
+        batch = self._batch_heads.get(rank)
+        if batch is None:
+            batch = self._batch_heads[rank] = Header(Command.BATCH, 0, Role.WORKER, rank)
+        heads = [self._head(header, payloads, request_id) for header, payloads, request_id in entries]
+        index = encode_batch_index(heads)
+        payloads = [index, *(payload for _, entry, _ in entries for payload in entry)]
+        self._transmit(server, encode_header(batch, self.secret, len(payloads), payload_size(payloads)), payloads, True)
+
+    def _transmit(self, server: int, head: bytes, payloads: Sequence[Any], wait: bool) -> None:
         socket, lock = self.sockets[server], self._locks[server]
         deadline = None  # taken only when a send is refused: most go at once
         while True:
@@ -224,6 +298,7 @@ class WorkerTransport(_Endpoint):
             if readable:
                 self.wake()
             if sent:
+                self.sent += 1
                 return
             deadline = time.monotonic() + self._send_timeout if deadline is None else deadline
             if not wait or time.monotonic() > deadline:
@@ -253,14 +328,19 @@ class WorkerTransport(_Endpoint):
             socket = self.sockets[server]
             with self._locks[server]:
                 while _readable(socket):
-                    if len(received) == MAX_BATCH:
+                    if len(received) >= MAX_BATCH:
                         self._backlog = True
                         break
                     first = socket.recv(NOBLOCK)  # a small header: bytes are cheaper than a Frame object
-                    received.append(self._receive(server, socket, first, landing))
+                    self.received += 1
+                    incoming = self._receive(server, socket, first, landing)
+                    if type(incoming) is list:  # a batch's replies
+                        received.extend(incoming)
+                    else:
+                        received.append(incoming)  # type: ignore[arg-type]
         return received
 
-    def _receive(self, server: int, dealer: zmq.Socket, first: bytes, landing: Landing | None) -> Incoming:
+    def _receive(self, server: int, dealer: zmq.Socket, first: bytes, landing: Landing | None) -> Incoming | list[Incoming]:
         """The rest of a message whose header frame ``first`` arrived (its frames are all here already)."""
         if not dealer.get(RCVMORE):
             return self._decode(server, [first])
@@ -269,6 +349,8 @@ class WorkerTransport(_Endpoint):
         except ProtocolError as error:
             dealer.recv_multipart()  # the rest of a message we already rejected
             return Incoming(server, None, error)
+        if header.command is Command.BATCH:
+            return self._receive_batch(server, dealer, header, landing)
         wanted = landing is not None and header.payload_count == 1 and not header.error
         target = landing(server, header) if wanted and landing is not None else None
         if target is None or target.nbytes != header.payload_nbytes:
@@ -283,6 +365,50 @@ class WorkerTransport(_Endpoint):
         if size != target.nbytes:
             return Incoming(server, None, ProtocolError(f"reply payload of {size} bytes, header announced {target.nbytes}"))
         return Incoming(server, Message(header, [target], landed=True))
+
+
+    def _receive_batch(self, server: int, dealer: zmq.Socket, batch: Header, landing: Landing | None) -> list[Incoming]:
+        """A BATCH's replies, each payload received straight into its pull's output where one waits.
+
+        Each entry is checked as if it had come alone (one whose payload does not match its header is
+        rejected, the others still complete); a batch whose frames do not match its index is rejected
+        from the first entry that lacks frames.
+        """
+        try:
+            headers = decode_batch_index(batch, dealer.recv(NOBLOCK), self.secret)
+        except ProtocolError as error:
+            if dealer.get(RCVMORE):
+                dealer.recv_multipart()
+            return [Incoming(server, None, error)]
+        received: list[Incoming] = []
+        for header in headers:
+            count = header.payload_count
+            if count and not dealer.get(RCVMORE):
+                received.append(Incoming(server, None, ProtocolError("batch has fewer payload frames than its index announced")))
+                return received
+            target = landing(server, header) if landing is not None and count == 1 and not header.error else None
+            if target is not None and target.nbytes == header.payload_nbytes:
+                size = dealer.recv_into(target)  # the frames of a multipart message are all here: never blocks
+                if size == target.nbytes:
+                    received.append(Incoming(server, Message(header, [target], landed=True)))
+                else:
+                    problem = ProtocolError(f"reply payload of {size} bytes, header announced {target.nbytes}")
+                    received.append(Incoming(server, None, problem))
+                continue
+            frames = []
+            for _ in range(count):
+                if not dealer.get(RCVMORE):
+                    received.append(Incoming(server, None, ProtocolError("batch has fewer payload frames than its index announced")))
+                    return received
+                frames.append(dealer.recv(NOBLOCK, copy=False))
+            try:
+                received.append(Incoming(server, attach(header, frames)))
+            except ProtocolError as error:
+                received.append(Incoming(server, None, error))
+        if dealer.get(RCVMORE):
+            dealer.recv_multipart()
+            received.append(Incoming(server, None, ProtocolError("batch has more payload frames than its index announced")))
+        return received
 
 
 def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], const: bool = False) -> None:

@@ -25,7 +25,7 @@ from tandem.kvstore.base import Handle, Key, KVStore, Receiver, normalize, reduc
 from tandem.kvstore.compression import COMPRESSIBLE, Compressor, GradientCompression
 from tandem.kvstore.config import DistOptions
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, ProtocolError
-from tandem.kvstore.ps.client import Client, message_text
+from tandem.kvstore.ps.client import Client, Submission, message_text
 from tandem.kvstore.ps.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.ps.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
 from tandem.kvstore.ps.server import hello_info
@@ -119,14 +119,15 @@ class DistKVStore(KVStore):
         finishers = [finish for _, finish in receivers if finish is not None]
         parts = sum(len(slices) for *_, slices in plans)
         handle = Handle(what, parts, partial(_run_all, finishers) if finishers else None, self._client)
+        requests: list[Submission] = []
         for (key, value, _, slices), (receive, _) in zip(plans, receivers):
             flat = value if value.dim() == 1 else value.reshape(-1)
             compressed = self._compresses(command, value)
             for part in slices:
                 payloads = self._payloads(command, key, flat, part, compressed)
-                on_reply = _Reply(handle, receive, part)
-                self._client.submit(part.server, self._header(command, key, value, part, priority, compressed),
-                                    payloads, on_reply, handle.fail)  # fmt: skip
+                requests.append((part.server, self._header(command, key, value, part, priority, compressed),
+                                 payloads, _Reply(handle, receive, part), handle.fail))  # fmt: skip
+        self._client.submit_many(requests)  # those bound for one server go together (coalesced)
         return handle
 
     def _send_one(self, command: Command, key: Key, value: torch.Tensor, target: torch.Tensor | None, part: Slice,
