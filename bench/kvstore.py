@@ -18,6 +18,12 @@ Arrays of >= 1M elements (4 MB) are split over the servers, as ps-lite does.
 Reproduce: .venv/bin/python bench/kvstore.py  (options: --runs, --sizes; see --help)
 Writes bench/out/kvstore.png and bench/out/kvstore.md.
 
+``--step`` (Linux) instead measures one training-like step of many small messages: a ``pushpull``
+of ``--keys`` keys of ``--key-bytes`` each (dist_sync, 1 and 2 servers), and of one tensor that
+``dist_p3`` cuts into as many slices (2 servers): wall time, messages per step (both directions,
+counted at the worker), and the CPU of the worker and of the servers per step and per slice
+(``TANDEM_PS_COALESCE_BYTES=0`` sends every slice as its own message). Writes bench/out/kvstore_step.md.
+
 ``--cpu`` (Linux) instead says where the time of one operation goes: per case, the CPU that the
 caller's and the peer's threads spent per operation (``/proc/<pid>/task/*/schedstat``), split into
 libzmq's IO threads and the interpreter's threads. Writes bench/out/kvstore_cpu.md.
@@ -47,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import bar_plot, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
-from tandem.kvstore.config import DistOptions  # noqa: E402
+from tandem.kvstore.config import DistOptions, P3Options  # noqa: E402
+from tandem.kvstore.ps.p3 import P3KVStore  # noqa: E402
 from tandem.kvstore.ps.protocol import Command, Header, Role, decode_header, encode_header, tensor_bytes  # noqa: E402
 from tandem.kvstore.ps.server import hello_info  # noqa: E402
 from tandem.kvstore.ps.topology import Topology, server_addresses  # noqa: E402
@@ -165,12 +172,14 @@ def raw_push_pull(socket: zmq.Socket, push: bytes = b"push", pull: bytes = b"pul
     return push_pull
 
 
-def server_job(processes: Processes, servers: int, **env: str) -> tuple[Topology, dist.TCPStore, list[int]]:
-    """``servers`` server processes (pids) of a dist_sync job whose only worker is this process."""
+def server_job(processes: Processes, servers: int, kind: str = "dist_sync",
+               **env: str) -> tuple[Topology, dist.TCPStore, list[int]]:  # fmt: skip
+    """``servers`` server processes (pids) of a ``kind`` job whose only worker is this process."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     child = _child_env(TANDEM_NUM_WORKERS="1", TANDEM_NUM_SERVERS=str(servers), TANDEM_MASTER_ADDR="127.0.0.1",
                        TANDEM_MASTER_PORT=str(store.port), TANDEM_ROLE="server", **env)  # fmt: skip
-    pids = [processes.start(["-m", "tandem.kvstore.ps"], {**child, "TANDEM_RANK": str(rank)}) for rank in range(servers)]
+    pids = [processes.start(["-m", "tandem.kvstore.ps", "--kind", kind], {**child, "TANDEM_RANK": str(rank)})
+            for rank in range(servers)]  # fmt: skip
     return Topology("worker", 0, 1, servers, "127.0.0.1", store.port, servers + 1), store, pids
 
 
@@ -374,6 +383,83 @@ def cpu_profile(size: int, runs: int, tmp: Path) -> str:
             f"push/pull process or the server (of the minimal worker, or of the kvstore).\n\n{table}")  # fmt: skip
 
 
+STEP_COLUMNS = ["wall us/step", "messages/step", "worker CPU us/step", "servers CPU us/step",
+                "CPU us/slice", "CPU us/message"]  # fmt: skip
+
+
+def _messages(kv: DistKVStore) -> int:
+    """Messages the worker's transport sent and received so far (older builds: one per request and reply)."""
+    client = getattr(kv._client, "_client", kv._client)  # P3's sender stands in front of the client
+    transport = client.transport
+    if not hasattr(transport, "sent"):  # a build without counters: count sends and receptions here
+        counts = transport.__dict__.setdefault("_bench_counts", [0])
+        if "send" not in transport.__dict__:
+            send, receive = transport.send, transport._receive
+
+            def counted_send(*args: Any, **kwargs: Any) -> Any:
+                counts[0] += 1
+                return send(*args, **kwargs)
+
+            def counted_receive(*args: Any, **kwargs: Any) -> Any:
+                counts[0] += 1
+                return receive(*args, **kwargs)
+
+            transport.send, transport._receive = counted_send, counted_receive
+        return int(counts[0])
+    return int(transport.sent + transport.received)
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(sum(thread_cpu_seconds(pid)) for pid in pids)
+
+
+def step_profile(keys: int, key_bytes: int, runs: int) -> str:
+    """The ``--step`` table (see the module doc)."""
+    processes = Processes()
+    try:
+        numel = key_bytes // 4
+        cases: dict[str, tuple[DistKVStore, Callable[[], None], list[int]]] = {}
+        for servers in (1, 2):
+            kv, _, pids = kvstore_job(processes, servers)
+            names = [f"k{index}" for index in range(keys)]
+            values, outs = [torch.ones(numel) for _ in names], [torch.empty(numel) for _ in names]
+            kv.init(names, values)
+            cases[f"dist_sync {servers}s: pushpull of {keys} keys"] = (
+                kv, lambda kv=kv, names=names, values=values, outs=outs: kv.pushpull(names, values, out=outs).wait(), pids)
+        topology, _, pids = server_job(processes, 2, "dist_p3")
+        p3 = P3KVStore(topology, DistOptions.from_env("dist_sync"), P3Options(numel, 10))
+        value, out = torch.ones(numel * keys), torch.empty(numel * keys)
+        p3.init("flat", value)
+        cases[f"dist_p3 2s: pushpull of 1 key in {keys} slices"] = (p3, lambda: p3.pushpull("flat", value, out=out).wait(), pids)
+        count = max(5, int(0.3e9 / (keys * key_bytes * 2)))  # ~0.3 s per round at ~1 GB/s
+        samples: dict[str, list[list[float]]] = {name: [] for name in cases}
+        for _, operation, _ in cases.values():  # warm up
+            for _ in range(count):
+                operation()
+        for _ in tqdm(range(runs), desc="step", unit="round"):
+            for name, (kv, operation, peers) in cases.items():
+                before = (time.perf_counter(), _messages(kv), sum(thread_cpu_seconds(os.getpid())), _cpu(peers))
+                for _ in range(count):
+                    operation()
+                after = (time.perf_counter(), _messages(kv), sum(thread_cpu_seconds(os.getpid())), _cpu(peers))
+                wall, messages, worker, server = [(end - start) / count for start, end in zip(before, after)]
+                total = (worker + server) * 1e6
+                samples[name].append([wall * 1e6, messages, worker * 1e6, server * 1e6, total / keys,
+                                      total / max(messages, 1)])  # fmt: skip
+        for kv, _, _ in cases.values():
+            kv.close()
+    finally:
+        processes.stop()
+    rows = [[name, *[f"{statistics.median(column):.0f}" if index != 1 else f"{statistics.median(column):.1f}"
+                     for index, column in enumerate(zip(*measured))]]
+            for name, measured in samples.items()]  # fmt: skip
+    coalesce = os.environ.get("TANDEM_PS_COALESCE_BYTES", "")
+    table = markdown_table(["case", *STEP_COLUMNS], rows)
+    return (f"{keys} slices of {_label(key_bytes)} per step, one worker (this process), medians of {runs} "
+            f"interleaved rounds of {count} steps; TANDEM_PS_COALESCE_BYTES={coalesce or 'default'}. CPU: every "
+            f"thread of the worker and of the servers.\n\n{table}")
+
+
 def _count(size: int) -> int:
     """Operations per timed batch: about TARGET_SECONDS at ~1 GB/s, at least 3."""
     return max(3, min(300, int(TARGET_SECONDS * 1e9 / max(size, 1) / 2)))
@@ -407,6 +493,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=25, help="rounds per size (median; >= 5)")
     parser.add_argument("--sizes", type=int, nargs="+", help="tensor sizes in bytes (default: 4 KB to 64 MB; 1 MB with --cpu)")
     parser.add_argument("--cpu", action="store_true", help="where the time goes: CPU per operation of each side's threads")
+    parser.add_argument("--step", action="store_true", help="a step of many small slices: messages and CPU per step")
+    parser.add_argument("--keys", type=int, default=64, help="--step: keys (slices) per step")
+    parser.add_argument("--key-bytes", type=int, default=4 * KIB, help="--step: bytes per key (slice)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -419,6 +508,11 @@ def main() -> None:
     print(f"command: {command_line()}")
     tmp = ROOT / "bench" / "out" / "kvstore-tmp"
     tmp.mkdir(parents=True, exist_ok=True)
+    if args.step:
+        text = step_profile(args.keys, args.key_bytes, args.runs)
+        print(text)
+        print(f"wrote {write_report('kvstore_step', text)}")
+        return
     if args.cpu:
         text = "\n\n".join(cpu_profile(size, args.runs, tmp) for size in args.sizes or [MIB])
         print(text)
