@@ -95,7 +95,11 @@ class InductorSegment:
         start = time.perf_counter()
         try:
             boxed_inputs: list[Any] = [list(example_inputs)]  # one argument, the list the compiled code empties
-            self.compiled = torch._inductor.compile(self.graph_module(), boxed_inputs, options=OPTIONS)
+            # standalone_compile traces under a fake mode with a shape environment, which inductor's
+            # FX graph cache and AOTAutograd cache need: torch._inductor.compile bypasses both
+            self.compiled = torch._inductor.standalone_compile(
+                self.graph_module(), boxed_inputs, dynamic_shapes="from_example_inputs",
+                options={"config_patches": OPTIONS})
         except Exception as error:  # any compiler failure: this segment runs its exact aten code
             self.fallback_reason = f"{_failing_op(self.nodes, error)}: {_first_line(error)}"
             warnings.warn(f"tandem: inductor could not compile segment {self.name} ({self.fallback_reason}); "
