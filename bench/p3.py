@@ -9,7 +9,13 @@ Modes (``Trainer(kvstore=..., communication=...)``):
             defaults (40k-element slices, water mark 10);
 - p3-auto:  p3 with ``slice_size="auto"``: the tuner picks slicing, water mark and send timing in
             the warm-up (``AUTO_WARMUP_STEPS``), before the timed runs;
-- ddp:      torch DistributedDataParallel with gloo (2 processes, allreduce, no servers).
+- collective-overlap, collective-p3: ``kvstore="collective"`` (workers only, launched with ``-s 0``):
+            all-reduce over gloo, whole tensors in production order, or sliced by priority (P3);
+- ddp:      torch DistributedDataParallel with gloo (2 processes, allreduce, no servers);
+- ddp+fp16, ddp+powersgd: DDP with its communication hooks (``fp16_compress_hook``;
+            ``powerSGD_hook``, rank ``POWERSGD_RANK``, vanilla all-reduce for the first
+            ``POWERSGD_START`` steps, which fall in the untimed warm-up).
+``--modes`` picks a subset. The goals of issue #29 are printed as met / missed under the table.
 Per (model, rate) all modes run back to back; each job measures ``--runs`` runs of ``--steps``
 steps (after a warm-up; each run primed by one untimed step, its final drain untimed: steady
 state, see ``_timed_runs``) and reports the median samples/s. The ideal is
@@ -35,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +58,11 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {  # name -> (zoo entry, co
     ),
     "resnet": ("resnet", {"depth": 18, "width": 16, "small_input": True}, 32),
 }
-MODES = ("baseline", "overlap", "p3", "p3-auto")
-KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "p3-auto": "dist_p3"}
+MODES = ("baseline", "overlap", "p3", "p3-auto", "collective-overlap", "collective-p3")
+DDP_MODES = ("ddp", "ddp+fp16", "ddp+powersgd")
+KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "p3-auto": "dist_p3",
+         "collective-overlap": "collective", "collective-p3": "collective"}
+POWERSGD_RANK, POWERSGD_START = 2, 2  # PowerSGD's rank, and the vanilla all-reduce steps before it compresses
 RATES = ("100mbit", "1gbit", "none")
 WORKERS, SERVERS = 2, 2
 WARMUP_STEPS = 3
@@ -107,6 +117,39 @@ def _report(**fields: Any) -> None:
     print(MARK + json.dumps(fields), flush=True)
 
 
+def communication(mode: str) -> str:
+    """The Trainer's ``communication`` of a mode without its compression: "collective-p3" -> "p3"."""
+    return mode.removeprefix("collective-").removesuffix("-auto")
+
+
+def servers(mode: str) -> int:
+    """Server processes of a mode's job: none for the collective kvstore."""
+    return 0 if KINDS[mode.partition("+")[0]] == "collective" else SERVERS
+
+
+def ddp_wrap(module: Any, hook: str) -> Any:
+    """``module`` in DistributedDataParallel (default process group) with the communication hook
+    ``hook``: "" (plain all-reduce), "fp16", "bf16" or "powersgd" (PowerSGDState(process_group=None,
+    matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_START), error feedback on)."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    # PowerSGD chains all-reduces in future callbacks: with two buckets (DDP's default 1 MB first
+    # bucket) those of one bucket and the next bucket's race to gloo in a different order on each rank
+    # ("Received data size doesn't match expected size"); bucket_cap_mb given explicitly drops the
+    # small first bucket, so these models (< 25 MB) are one bucket
+    wrapped = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=25.0 if hook == "powersgd" else None)
+    if hook in ("fp16", "bf16"):
+        wrapped.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                            start_powerSGD_iter=POWERSGD_START)  # fmt: skip
+        wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif hook:
+        raise ValueError(f"unknown DDP hook {hook!r}: fp16, bf16 or powersgd")
+    return wrapped
+
+
 def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
     """A process of a `tandem launch` job: servers serve (kvstore.serve); workers train and report."""
     import torch
@@ -121,7 +164,7 @@ def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
     torch.set_num_threads(1)
     module, loss_fn, batch, _ = _model(model)
     trainer = Trainer(module, loss_fn, tandem.optim.SGD(lr=0.01, momentum=0.9), kvstore=KINDS[base],
-                      communication=base.removesuffix("-auto"), gradient_compression=compression or None,
+                      communication=communication(base), gradient_compression=compression or None,
                       update_on_kvstore=os.environ.get("P3BENCH_UPDATE", "servers") == "servers",
                       progress=False)  # fmt: skip
     # the same step without communication, interleaved: compute time under the same load, side by side
@@ -136,23 +179,30 @@ def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
     trainer.close()
 
 
-def ddp_job(model: str, rank: int, master: str, port: int, runs: int, steps: int) -> None:
-    """One of two DistributedDataParallel processes (gloo allreduce of gradients, torch.optim.SGD)."""
+def ddp_job(model: str, mode: str, rank: int, master: str, port: int, runs: int, steps: int) -> None:
+    """One of two DistributedDataParallel processes (gloo allreduce of gradients, torch.optim.SGD),
+    with the communication hook of ``mode`` ("ddp+fp16": fp16_compress_hook, "ddp+powersgd")."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=WORKERS)
     module, loss_fn, batch, _ = _model(model)
-    wrapped = torch.nn.parallel.DistributedDataParallel(module)
+    wrapped = ddp_wrap(module, mode.partition("+")[2])
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
+    local, *_ = _model(model)  # the same step without communication, interleaved (as in tandem_job)
+    local_optimizer = torch.optim.SGD(local.parameters(), lr=0.01, momentum=0.9)
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(wrapped, *batch).backward()
-        optimizer.step()
+    def step(module: Any, optimizer: Any) -> Callable[[], None]:
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(module, *batch).backward()
+            optimizer.step()
 
-    _report(rank=rank, **_timed_runs({"seconds": (step, lambda: None)}, runs, steps))
+        return run
+
+    _report(rank=rank, **_timed_runs({"seconds": (step(wrapped, optimizer), lambda: None),
+                                      "compute": (step(local, local_optimizer), lambda: None)}, runs, steps))  # fmt: skip
     dist.barrier()  # neither rank tears its connections down while the other still uses them
     dist.destroy_process_group()
 
@@ -180,7 +230,7 @@ def run_tandem(
 ) -> dict[str, Any]:
     """Step seconds of ``mode`` and of its interleaved local compute, the parameter count, the tuner's result."""
     shaping = [] if rate == "none" else ["--netns-rate", rate]
-    command = [sys.executable, "-m", "tandem.launch", "-n", str(WORKERS), "-s", str(SERVERS), *shaping,
+    command = [sys.executable, "-m", "tandem.launch", "-n", str(WORKERS), "-s", str(servers(mode)), *shaping,
                *[f"--env={name}={value}" for name, value in env.items()], "--",
                sys.executable, str(Path(__file__).resolve()), "--job", model, mode, str(runs), str(steps)]  # fmt: skip
     result = subprocess.run(
@@ -194,14 +244,15 @@ def run_tandem(
             "parameters": reports[0]["parameters"], "tuned": reports[0].get("tuned")}  # fmt: skip
 
 
-def run_ddp(model: str, rate: str, runs: int, steps: int) -> float:
+def run_ddp(model: str, mode: str, rate: str, runs: int, steps: int) -> dict[str, float]:
+    """Step seconds of the DDP ``mode`` and of its interleaved local compute."""
     from tandem import netns
 
     with netns.Network(num_hosts=WORKERS, rate=None if rate == "none" else rate) as net:
         master, port = net.hosts[0].address, 29_731
         gloo = {"GLOO_SOCKET_IFNAME": "eth0"} if net.isolated else {}
         processes = [subprocess.Popen(host.command([sys.executable, str(Path(__file__).resolve()), "--ddp", model,
-                                                    str(rank), master, str(port), str(runs), str(steps)]),
+                                                    mode, str(rank), master, str(port), str(runs), str(steps)]),
                                       cwd=ROOT, env=_env(**gloo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
                      for rank, host in enumerate(net.hosts)]  # fmt: skip
@@ -210,12 +261,20 @@ def run_ddp(model: str, rate: str, runs: int, steps: int) -> float:
     reports = _results(output)
     if any(process.returncode for process in processes):
         if len(reports) < WORKERS:
-            raise RuntimeError(f"ddp on {model} at {rate} failed:\n{output[-4000:]}")
+            raise RuntimeError(f"{mode} on {model} at {rate} failed:\n{output[-4000:]}")
         # every rank measured and reported: a crash after that is gloo's teardown (seen once in a
         # namespace: "terminate called without an active exception"), not part of the measurement
-        print(f"warning: ddp on {model} at {rate} exited nonzero after reporting; its output ends:\n"
+        print(f"warning: {mode} on {model} at {rate} exited nonzero after reporting; its output ends:\n"
               f"{output[-1500:]}", file=sys.stderr)  # fmt: skip
-    return _step_seconds(reports, f"ddp on {model} at {rate}", output)
+    what = f"{mode} on {model} at {rate}"
+    return {"seconds": _step_seconds(reports, what, output), "compute": _step_seconds(reports, what, output, "compute")}
+
+
+def run_mode(model: str, mode: str, rate: str, runs: int, steps: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Any mode: a `tandem launch` job, or DDP (with its hook) in as many namespaces as workers."""
+    if mode.partition("+")[0] == "ddp":
+        return run_ddp(model, mode, rate, runs, steps)
+    return run_tandem(model, mode, rate, runs, steps, {**_mode_env(mode), **(env or {})})
 
 
 def _mode_env(mode: str) -> dict[str, str]:
@@ -235,6 +294,44 @@ def _rate_bits(rate: str) -> float | None:
     return None if rate == "none" else float(parse_rate(rate))
 
 
+COMPARABLE = 2.0  # communication and compute are "comparable" within this factor of each other
+
+
+def goals(measured: dict[tuple[str, str], dict[str, dict[str, Any]]], batch: dict[str, int]) -> list[str]:
+    """Issue #29's throughput goals, each line "met" or "missed" with its numbers.
+
+    collective p3 >= 1.0x DDP at every (model, rate), >= 1.15x where wire and compute time are within
+    COMPARABLE of each other; parameter-server p3 (the better of p3 and p3-auto) >= 75% of ideal at
+    1 Gbit/s and >= 1.0x DDP at 100 Mbit/s. DDP is plain DDP (uncompressed, like the modes it is compared with).
+    """
+    lines = []
+    for (model, rate), modes in measured.items():
+        speed = {mode: batch[model] / value["seconds"] for mode, value in modes.items() if mode != "_ideal"}
+        ideal, compute, wire = modes["_ideal"]["value"], modes["_ideal"]["compute"], modes["_ideal"]["wire"]
+        if "ddp" not in speed:
+            continue
+        ddp = speed["ddp"]
+        if "collective-p3" in speed:
+            ratio = speed["collective-p3"] / ddp
+            comparable = wire > 0 and 1 / COMPARABLE <= wire / compute <= COMPARABLE
+            target = 1.15 if comparable else 1.0
+            lines.append(f"{'met' if ratio >= target else 'MISSED'}: collective-p3 >= {target}x ddp on {model} at "
+                         f"{rate}{' (comm ~ compute)' if comparable else ''}: {ratio:.2f}x "
+                         f"({speed['collective-p3']:.0f} vs {ddp:.0f} samples/s)")  # fmt: skip
+        ps = {mode: speed[mode] for mode in ("p3", "p3-auto") if mode in speed}
+        if ps:
+            best = max(ps, key=ps.__getitem__)
+            if _rate_bits(rate) == 1e9:
+                share = ps[best] / ideal
+                lines.append(f"{'met' if share >= 0.75 else 'MISSED'}: parameter-server p3 >= 75% of ideal on {model}"
+                             f" at {rate}: {best} {share:.0%} ({ps[best]:.0f} of {ideal:.0f} samples/s)")  # fmt: skip
+            if _rate_bits(rate) == 1e8:
+                ratio = ps[best] / ddp
+                lines.append(f"{'met' if ratio >= 1.0 else 'MISSED'}: parameter-server p3 >= 1.0x ddp on {model} at "
+                             f"{rate}: {best} {ratio:.2f}x ({ps[best]:.0f} vs {ddp:.0f} samples/s)")  # fmt: skip
+    return lines
+
+
 def main_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
@@ -243,45 +340,70 @@ def main_bench(args: argparse.Namespace) -> None:
     available, reason = netns.available()
     if not available:
         print(f"warning: {reason}; every rate runs unshaped on loopback", file=sys.stderr)
-    rows, throughput = [], {}
+    modes = args.modes
+    rows, throughput, everything = [], {}, {}
     jobs = [(model, rate) for model in args.models for rate in args.rates]
-    bar = tqdm(total=len(jobs) * (len(MODES) + 1), desc="p3 bench")
+    bar = tqdm(total=len(jobs) * len(modes), desc="p3 bench")
     for model, rate in jobs:
         batch = MODELS[model][2] * WORKERS
-        seconds, measured = {}, {}
-        for mode in MODES:
+        measured: dict[str, dict[str, Any]] = {}
+        for mode in modes:
             bar.set_postfix_str(f"{model} {rate} {mode}")
-            measured[mode] = run_tandem(model, mode, rate, args.runs, args.steps, _mode_env(mode))
-            seconds[mode] = measured[mode]["seconds"]
+            measured[mode] = run_mode(model, mode, rate, args.runs, args.steps)
+            with open(OUT / "p3_raw.jsonl", "a") as raw:  # every job's numbers as soon as they are in
+                raw.write(json.dumps({"model": model, "rate": rate, "mode": mode, **measured[mode]}) + "\n")
             bar.update()
-        bar.set_postfix_str(f"{model} {rate} ddp")
-        seconds["ddp"] = run_ddp(model, rate, args.runs, args.steps)
-        bar.update()
         bits = _rate_bits(rate)
-        wire = 0.0 if bits is None else measured["p3"]["parameters"] * 4 * 8 / bits
-        compute = measured["p3"]["compute"]  # measured in the p3 job itself, interleaved with its runs
+        parameters = next((value["parameters"] for value in measured.values() if "parameters" in value), None)
+        if parameters is None:  # DDP modes only: count them here
+            parameters = sum(p.numel() for p in _model(model)[0].parameters())
+        wire = 0.0 if bits is None else parameters * 4 * 8 / bits
+        # compute: the same step without communication, measured inside a job, interleaved with its runs
+        source = next(mode for mode in ("p3", "collective-p3", *modes) if mode in measured)
+        compute = measured[source]["compute"]
         ideal = batch / max(compute, wire)
-        speed = {mode: batch / value for mode, value in seconds.items()}
+        everything[(model, rate)] = {**measured, "_ideal": {"value": ideal, "compute": compute, "wire": wire}}
+        speed = {mode: batch / value["seconds"] for mode, value in measured.items()}
         throughput[(model, rate)] = speed
-        # the machine is shared: also compare steps in units of each job's own compute time
-        relative = {mode: measured[mode]["seconds"] / measured[mode]["compute"] for mode in MODES}
-        tuned = measured["p3-auto"]["tuned"]
-        rows.append([model, rate, *(speed[mode] for mode in (*MODES, "ddp")),
-                     *(speed[mode] / speed["baseline"] for mode in MODES[1:]),
-                     *(relative["baseline"] / relative[mode] for mode in MODES[1:]),
-                     ideal, speed["p3"] / ideal, speed["p3-auto"] / ideal, f"{compute * 1e3:.0f} / {wire * 1e3:.0f}",
-                     _chose(tuned)])  # fmt: skip
+        # the machine is shared: also compare step time in units of each job's own compute time
+        relative = {mode: value["seconds"] / value["compute"] for mode, value in measured.items()}
+        ddps = [mode for mode in DDP_MODES if mode in speed]
+        best_ddp = max(ddps, key=speed.__getitem__) if ddps else None
+        derived = []
+        for mode in ("collective-p3", "p3", "p3-auto"):
+            if mode in speed and "ddp" in speed:
+                derived += [speed[mode] / speed["ddp"], relative["ddp"] / relative[mode]]
+            if mode in speed and best_ddp is not None:
+                derived.append(speed[mode] / speed[best_ddp])
+        for mode in ("p3", "p3-auto", "collective-p3"):
+            if mode in speed:
+                derived.append(speed[mode] / ideal)
+        tuned = measured["p3-auto"]["tuned"] if "p3-auto" in measured else None
+        rows.append([model, rate, *(speed[mode] for mode in modes), *derived, ideal,
+                     f"{compute * 1e3:.0f} / {wire * 1e3:.0f}", best_ddp or "-",
+                     *([_chose(tuned)] if "p3-auto" in measured else [])])  # fmt: skip
     bar.close()
-    headers = ["model", "link", *MODES, "ddp (gloo)", *(f"{mode}/baseline" for mode in MODES[1:]),
-               *(f"{mode}/baseline (per compute)" for mode in MODES[1:]), "ideal", "p3/ideal", "p3-auto/ideal",
-               "compute / wire ms", "p3-auto chose"]  # fmt: skip
+    has_ddp, has_any_ddp = "ddp" in modes, any(mode in modes for mode in DDP_MODES)
+    derived_headers = []
+    for mode in ("collective-p3", "p3", "p3-auto"):
+        if mode in modes and has_ddp:
+            derived_headers += [f"{mode}/ddp", f"{mode}/ddp (per compute)"]
+        if mode in modes and has_any_ddp:
+            derived_headers.append(f"{mode}/best ddp")
+    derived_headers += [f"{mode}/ideal" for mode in ("p3", "p3-auto", "collective-p3") if mode in modes]
+    headers = ["model", "link", *modes, *derived_headers, "ideal", "compute / wire ms", "best ddp",
+               *(["p3-auto chose"] if "p3-auto" in modes else [])]  # fmt: skip
     table = markdown_table(headers, rows)
-    note = (f"samples/s (global batch {WORKERS} x per-worker batch), {WORKERS} workers + {SERVERS} servers, "
-            f"median of {args.runs} runs x {args.steps} steps; ideal = batch / max(compute, model bytes / rate); "
-            "'per compute': ratios of step time / compute time measured in the same job (load-normalised)")  # fmt: skip
-    report = write_report("p3", f"{note}\n\n{table}")
+    note = (f"samples/s (global batch {WORKERS} x per-worker batch), {WORKERS} workers (+ {SERVERS} servers for "
+            f"the parameter-server modes), median of {args.runs} runs x {args.steps} steps; ideal = batch / "
+            "max(compute, model bytes / rate); 'per compute': ratios of step time / compute time, each measured "
+            "in its own job (load-normalised); 'best ddp': the fastest of ddp and its hooks")  # fmt: skip
+    checked = goals(everything, {model: MODELS[model][2] * WORKERS for model in args.models})
+    goal_text = "\n".join(f"- {line}" for line in checked)
+    report = write_report("p3", f"{note}\n\n{table}\n\nGoals:\n\n{goal_text}")
     _plot(throughput, args)
-    print(f"\n{note}\n{table}\n\nwritten {report} and {OUT / 'p3.png'}\nreproduce: {command_line()}")
+    print(f"\n{note}\n{table}\n\nGoals:\n{goal_text}\n\nwritten {report} and {OUT / 'p3.png'}\n"
+          f"reproduce: {command_line()}")
     if args.sweep:
         sweep(args)
 
@@ -304,33 +426,52 @@ def sweep(args: argparse.Namespace) -> None:
     print(f"\n{table}\n\nwritten {report}\nreproduce: {command_line()}")
 
 
-COMPRESSED_MODES = ("p3-auto", "p3-auto+fp16", "p3-auto+2bit")
+COMPRESSED_MODES = ("p3-auto", "p3-auto+fp16", "p3-auto+2bit", "collective-p3", "collective-p3+fp16",
+                    "collective-p3+2bit", "ddp", "ddp+fp16", "ddp+powersgd")
+
+
+def _uncompressed(mode: str) -> str:
+    """The mode a compressed one is compared with: "collective-p3+2bit" -> "collective-p3", "ddp+fp16" -> "ddp"."""
+    return mode.partition("+")[0]
+
+
+def _sent(mode: str, parameters: int, update: str) -> str:
+    """MB a worker sends / receives per step, as the table shows it (before any all-reduce fan-out)."""
+    from tandem.kvstore.compression import GradientCompression
+
+    base, _, compression = mode.partition("+")
+    if compression == "powersgd":
+        return f"rank-{POWERSGD_RANK} factors"
+    ratio = {"fp16": 2.0}.get(compression, 1.0) if base == "ddp" else GradientCompression.parse(compression or None).ratio
+    pulled = parameters * 4 / (ratio if update == "workers" or KINDS.get(base) != "dist_p3" else 1)
+    return f"{parameters * 4 / ratio / 1e6:.2f} / {pulled / 1e6:.2f}"
 
 
 def compression_table(args: argparse.Namespace) -> None:
-    """p3-auto with and without gradient compression at one link rate, side by side per model."""
-    from tandem.kvstore.compression import GradientCompression
-
+    """Every mode with and without gradient compression at one link rate, side by side per model:
+    p3-auto (parameter server), collective-p3, DDP with its fp16 and PowerSGD hooks."""
     rate, rows, update = args.compression_rate, [], {"P3BENCH_UPDATE": args.update}
     bits = _rate_bits(rate)
+    modes = [mode for mode in COMPRESSED_MODES if mode in args.modes or _uncompressed(mode) in args.modes]
     for model in args.models:
         batch, measured = MODELS[model][2] * WORKERS, {}
-        for mode in COMPRESSED_MODES:
-            measured[mode] = run_tandem(model, mode, rate, args.runs, args.steps, {**_mode_env(mode), **update})
-        parameters = measured["p3-auto"]["parameters"]
+        for mode in modes:
+            measured[mode] = run_mode(model, mode, rate, args.runs, args.steps, update)
+        parameters = sum(p.numel() for p in _model(model)[0].parameters())
         wire = 0.0 if bits is None else parameters * 4 * 8 / bits  # the uncompressed floor, for every row
-        ideal = batch / max(measured["p3-auto"]["compute"], wire)
-        for mode in COMPRESSED_MODES:
-            speed, ratio = batch / measured[mode]["seconds"], GradientCompression.parse(mode.partition("+")[2] or None).ratio
-            tuned, pulled = measured[mode]["tuned"], parameters * 4 / (ratio if args.update == "workers" else 1)
-            rows.append([model, rate, mode, f"{parameters * 4 / ratio / 1e6:.2f} / {pulled / 1e6:.2f}", speed,
-                         speed * measured["p3-auto"]["seconds"] / batch, speed / ideal,
-                         _chose(tuned)])  # fmt: skip
-    table = markdown_table(["model", "link", "mode", "MB pushed / pulled per step", "samples/s", "vs p3-auto",
-                            "of ideal", "tuner chose"], rows)  # fmt: skip
-    note = (f"samples/s, {WORKERS} workers + {SERVERS} servers, updates on the {args.update}, median of {args.runs} "
-            f"runs x {args.steps} steps, all modes of a model back to back; ideal = batch / max(compute, model bytes / "
-            "rate), uncompressed")  # fmt: skip
+        compute = next(measured[mode]["compute"] for mode in ("p3-auto", "collective-p3", *modes) if mode in measured)
+        ideal = batch / max(compute, wire)
+        for mode in modes:
+            speed, base = batch / measured[mode]["seconds"], measured.get(_uncompressed(mode))
+            tuned = measured[mode].get("tuned")
+            rows.append([model, rate, mode, _sent(mode, parameters, args.update), speed,
+                         speed * base["seconds"] / batch if base else "-", speed / ideal,
+                         _chose(tuned) if mode.startswith("p3-auto") else "-"])  # fmt: skip
+    table = markdown_table(["model", "link", "mode", "MB sent / received per worker and step", "samples/s",
+                            "vs uncompressed", "of ideal", "tuner chose"], rows)  # fmt: skip
+    note = (f"samples/s, {WORKERS} workers (+ {SERVERS} servers for p3-auto, updates on the {args.update}), median "
+            f"of {args.runs} runs x {args.steps} steps, all modes of a model back to back; ideal = batch / "
+            "max(compute, model bytes / rate), uncompressed")  # fmt: skip
     report = write_report(f"p3_compression_{args.update}", f"{note}\n\n{table}")
     print(f"\n{note}\n{table}\n\nwritten {report}\nreproduce: {command_line()}")
 
@@ -368,14 +509,15 @@ def _plot(throughput: dict[tuple[str, str], dict[str, float]], args: argparse.Na
 
     figure, axes = plt.subplots(1, len(args.models), figsize=(5 * len(args.models), 4), squeeze=False)
     for axis, model in zip(axes[0], args.models):
-        for mode in (*MODES, "ddp"):
-            axis.plot(
-                args.rates, [throughput[(model, rate)][mode] for rate in args.rates], marker="o", label=mode
-            )
-        axis.set_title(f"{model}: {WORKERS} workers, {SERVERS} servers")
+        for mode in args.modes:
+            style = "--" if mode.startswith("ddp") else ":" if mode.startswith("collective") else "-"
+            axis.plot(args.rates, [throughput[(model, rate)][mode] for rate in args.rates], style, marker="o",
+                      label=mode)  # fmt: skip
+        axis.set_title(f"{model}: {WORKERS} workers ({SERVERS} servers for dist_*)")
         axis.set_xlabel("link rate per host")
         axis.set_ylabel("samples/s")
-        axis.legend()
+        axis.set_yscale("log")
+        axis.legend(fontsize="small")
     figure.tight_layout()
     OUT.mkdir(parents=True, exist_ok=True)
     figure.savefig(OUT / "p3.png", dpi=120)
@@ -388,11 +530,13 @@ def main() -> None:
         if sys.argv[1] == "--job":
             tandem_job(rest[0], rest[1], int(rest[2]), int(rest[3]))
         else:
-            ddp_job(rest[0], int(rest[1]), rest[2], int(rest[3]), int(rest[4]), int(rest[5]))
+            ddp_job(rest[0], rest[1], int(rest[2]), rest[3], int(rest[4]), int(rest[5]), int(rest[6]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="tc rates, or 'none' for unshaped")
+    parser.add_argument("--modes", nargs="+", default=[*MODES, *DDP_MODES], choices=[*MODES, *DDP_MODES],
+                        help="modes of the main table (and, with --compression, the uncompressed modes compared)")
     parser.add_argument("--runs", type=int, default=5, help="runs per job (median; >= 5)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run")
     parser.add_argument(
@@ -401,7 +545,8 @@ def main() -> None:
     parser.add_argument("--sweep-model", default="vgg", choices=list(MODELS))
     parser.add_argument("--sweep-rate", default="100mbit")
     parser.add_argument("--compression", action="store_true",
-                        help="instead of the main table: p3-auto with fp16 and 2bit gradient compression")
+                        help="instead of the main table: p3-auto, collective-p3 (fp16, 2bit) and DDP (fp16, "
+                             "PowerSGD hooks) with and without compression")
     parser.add_argument("--compression-rate", default="100mbit")
     parser.add_argument("--update", default="servers", choices=["servers", "workers"],
                         help="--compression: where the optimizer runs (workers: pulls carry sums, compressed too)")
