@@ -22,7 +22,8 @@ Writes bench/out/kvstore.png and bench/out/kvstore.md.
 of ``--keys`` keys of ``--key-bytes`` each (dist_sync, 1 and 2 servers), and of one tensor that
 ``dist_p3`` cuts into as many slices (2 servers): wall time, messages per step (both directions,
 counted at the worker), and the CPU of the worker and of the servers per step and per slice
-(``TANDEM_PS_COALESCE_BYTES=0`` sends every slice as its own message). Writes bench/out/kvstore_step.md.
+(``TANDEM_PS_COALESCE_BYTES=0`` sends every slice as its own message; ``--coalesce-bytes 0 262144``
+runs both, interleaved). Writes bench/out/kvstore_step.md.
 
 ``--cpu`` (Linux) instead says where the time of one operation goes: per case, the CPU that the
 caller's and the peer's threads spent per operation (``/proc/<pid>/task/*/schedstat``), split into
@@ -413,24 +414,37 @@ def _cpu(pids: list[int]) -> float:
     return sum(sum(thread_cpu_seconds(pid)) for pid in pids)
 
 
-def step_profile(keys: int, key_bytes: int, runs: int) -> str:
-    """The ``--step`` table (see the module doc)."""
+def step_cases(processes: Processes, keys: int, numel: int,
+               label: str) -> dict[str, tuple[DistKVStore, Callable[[], None], list[int]]]:  # fmt: skip
+    """The ``--step`` cases: stores (and their server processes) made with the environment as it is now."""
+    cases: dict[str, tuple[DistKVStore, Callable[[], None], list[int]]] = {}
+    for servers in (1, 2):
+        kv, _, pids = kvstore_job(processes, servers)
+        names = [f"k{index}" for index in range(keys)]
+        values, outs = [torch.ones(numel) for _ in names], [torch.empty(numel) for _ in names]
+        kv.init(names, values)
+        cases[f"dist_sync {servers}s: pushpull of {keys} keys{label}"] = (
+            kv, lambda kv=kv, names=names, values=values, outs=outs: kv.pushpull(names, values, out=outs).wait(), pids)
+    topology, _, pids = server_job(processes, 2, "dist_p3")
+    p3 = P3KVStore(topology, DistOptions.from_env("dist_sync"), P3Options(numel, 10))
+    value, out = torch.ones(numel * keys), torch.empty(numel * keys)
+    p3.init("flat", value)
+    cases[f"dist_p3 2s: pushpull of 1 key in {keys} slices{label}"] = (
+        p3, lambda: p3.pushpull("flat", value, out=out).wait(), pids)
+    return cases
+
+
+def step_profile(keys: int, key_bytes: int, runs: int, coalesce: list[int] | None) -> str:
+    """The ``--step`` table (see the module doc); with ``coalesce``, the cases under each TANDEM_PS_COALESCE_BYTES."""
     processes = Processes()
     try:
         numel = key_bytes // 4
         cases: dict[str, tuple[DistKVStore, Callable[[], None], list[int]]] = {}
-        for servers in (1, 2):
-            kv, _, pids = kvstore_job(processes, servers)
-            names = [f"k{index}" for index in range(keys)]
-            values, outs = [torch.ones(numel) for _ in names], [torch.empty(numel) for _ in names]
-            kv.init(names, values)
-            cases[f"dist_sync {servers}s: pushpull of {keys} keys"] = (
-                kv, lambda kv=kv, names=names, values=values, outs=outs: kv.pushpull(names, values, out=outs).wait(), pids)
-        topology, _, pids = server_job(processes, 2, "dist_p3")
-        p3 = P3KVStore(topology, DistOptions.from_env("dist_sync"), P3Options(numel, 10))
-        value, out = torch.ones(numel * keys), torch.empty(numel * keys)
-        p3.init("flat", value)
-        cases[f"dist_p3 2s: pushpull of 1 key in {keys} slices"] = (p3, lambda: p3.pushpull("flat", value, out=out).wait(), pids)
+        if coalesce is None:
+            cases = step_cases(processes, keys, numel, "")
+        for limit in coalesce or []:
+            os.environ["TANDEM_PS_COALESCE_BYTES"] = str(limit)  # read by the servers started now and the stores
+            cases.update(step_cases(processes, keys, numel, f", coalesce {limit}"))
         count = max(5, int(0.3e9 / (keys * key_bytes * 2)))  # ~0.3 s per round at ~1 GB/s
         samples: dict[str, list[list[float]]] = {name: [] for name in cases}
         for _, operation, _ in cases.values():  # warm up
@@ -453,10 +467,10 @@ def step_profile(keys: int, key_bytes: int, runs: int) -> str:
     rows = [[name, *[f"{statistics.median(column):.0f}" if index != 1 else f"{statistics.median(column):.1f}"
                      for index, column in enumerate(zip(*measured))]]
             for name, measured in samples.items()]  # fmt: skip
-    coalesce = os.environ.get("TANDEM_PS_COALESCE_BYTES", "")
+    setting = os.environ.get("TANDEM_PS_COALESCE_BYTES", "") if coalesce is None else "as named"
     table = markdown_table(["case", *STEP_COLUMNS], rows)
     return (f"{keys} slices of {_label(key_bytes)} per step, one worker (this process), medians of {runs} "
-            f"interleaved rounds of {count} steps; TANDEM_PS_COALESCE_BYTES={coalesce or 'default'}. CPU: every "
+            f"interleaved rounds of {count} steps; TANDEM_PS_COALESCE_BYTES {setting or 'default'}. CPU: every "
             f"thread of the worker and of the servers.\n\n{table}")
 
 
@@ -496,6 +510,8 @@ def main() -> None:
     parser.add_argument("--step", action="store_true", help="a step of many small slices: messages and CPU per step")
     parser.add_argument("--keys", type=int, default=64, help="--step: keys (slices) per step")
     parser.add_argument("--key-bytes", type=int, default=4 * KIB, help="--step: bytes per key (slice)")
+    parser.add_argument("--coalesce-bytes", type=int, nargs="+",
+                        help="--step: run the cases under each of these TANDEM_PS_COALESCE_BYTES, interleaved")  # fmt: skip
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -509,7 +525,7 @@ def main() -> None:
     tmp = ROOT / "bench" / "out" / "kvstore-tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     if args.step:
-        text = step_profile(args.keys, args.key_bytes, args.runs)
+        text = step_profile(args.keys, args.key_bytes, args.runs, args.coalesce_bytes)
         print(text)
         print(f"wrote {write_report('kvstore_step', text)}")
         return

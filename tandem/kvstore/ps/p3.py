@@ -208,6 +208,9 @@ class P3Server(Server):
 
     def __init__(self, topology: Topology, options: DistOptions) -> None:
         super().__init__(topology, options)
+        # replies leave as each request is served, by priority: held for the end of a poll, the first
+        # layers' replies (and the cap slots they free) waited for the rest (+10 % per step, bench/kvstore.py --step)
+        self.transport.coalesce_bytes = 0
         self.transport = PriorityReceive(self.transport)  # type: ignore[assignment]
         self._row = f"p3 serve (server {topology.rank})"
 
