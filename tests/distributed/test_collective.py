@@ -6,11 +6,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from tandem.kvstore.collective.group import Group
+from tandem.kvstore.collective.store import CollectiveKVStore
+from tandem.kvstore.config import DistOptions, P3Options
 from tests.distributed.collective_models import model_and_batch, train_eagerly
 from tests.distributed.jobs import FAST_FAULTS, REPO, SCRIPTS, job_env, launch_command, run_job, worker_lines
 from tests.distributed.test_faults import _log, _start_by_hand
@@ -111,3 +118,58 @@ def test_mismatched_shapes_fail_at_init_naming_both() -> None:
     assert "key 'w' is (4, 8) torch.float32 on worker 0 but (4, 9) torch.float32 on worker 1" in job.stdout, job.stdout
     assert "step" not in job.stdout, job.stdout
 
+
+
+def _two_threads(function: Callable[[CollectiveKVStore], Any], name: str) -> list[Any]:
+    """``function(store)`` on two workers, one thread each (fast heartbeats); the results (or the
+    errors, as text) with each worker's seconds, by rank."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    options = DistOptions.from_env("dist_sync", exit_on_failure=False, heartbeat=0.2, timeout=1.0)
+
+    def run(rank: int) -> Any:
+        kv = CollectiveKVStore(Group(rank, 2, "127.0.0.1", master.port, 2), options, P3Options(7, 2), name=name)
+        start = time.monotonic()
+        try:
+            return function(kv), time.monotonic() - start
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            return f"{type(error).__name__}: {error}", time.monotonic() - start
+        finally:
+            kv.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(run, range(2)))
+
+
+def test_a_long_wait_at_init_does_not_stop_the_heartbeats() -> None:
+    """Worker 1 reaches init 3 s late (a slower compile): worker 0 waits in init three times the
+    heartbeat timeout, yet its heartbeats go on, no one is called dead, and the job trains."""
+
+    def work(kv: CollectiveKVStore) -> str:
+        if kv.rank == 1:
+            time.sleep(3)
+        kv.init("w", torch.zeros(3))
+        kv.barrier()
+        summed = torch.empty(3)
+        kv.pushpull("w", torch.ones(3), out=summed).wait(timeout=10)
+        assert summed.tolist() == [2.0, 2.0, 2.0]
+        return "ok"
+
+    assert [result for result, _ in _two_threads(work, "late-init")] == ["ok", "ok"]
+
+
+def test_a_waiter_ends_with_the_job() -> None:
+    """Worker 0 waits at init; worker 1 fails without reaching it: worker 0 raises within a few
+    heartbeats, not at the wait's timeout (TANDEM_PS_WAIT_TIMEOUT)."""
+
+    def work(kv: CollectiveKVStore) -> str:
+        if kv.rank == 1:
+            time.sleep(1)
+            kv._close(abort_reason="worker 1 died of RuntimeError: boom")
+            return "aborted"
+        kv.init("w", torch.zeros(3))
+        return "init returned"
+
+    (result, seconds), (other, _) = _two_threads(work, "abort-at-init")
+    assert other == "aborted"
+    assert result.startswith("PeerFailure") and "boom" in result, result
+    assert seconds < 5, seconds

@@ -15,6 +15,12 @@ that hangs only after the group's timeout. So every worker also beats a counter 
 names the dead worker. A worker that dies of an exception posts why (``abort``), one that closes
 its store says so (``closed``), so that the others neither wait for a heartbeat nor mistake it for
 a dead one.
+
+The monitor has a store client of its own: a client serialises its operations, so a heartbeat
+sharing one with the training thread would stall behind that thread's blocking wait (an init
+waiting for a slower worker), and the healthy worker would be called dead. The training thread's
+waits (``gather``) poll, and between polls check whether the job ended, so a
+waiter ends with the job rather than at the wait's timeout.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ import torch
 import torch.distributed as dist
 
 from tandem.env import is_set, knob
-from tandem.kvstore.errors import KVStoreError, PeerFailure
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure
 
+POLL_SECONDS = 0.02  # how often a wait in the store looks whether it is over, or the job ended
 EXIT_GRACE_SECONDS = 3.0  # a worker whose job failed exits this long after, if its main thread did not first
 
 
@@ -109,6 +116,25 @@ def route_address(host: str, port: int) -> str | None:
         return None if ipaddress.ip_address(address.split("%")[0]).is_loopback else address
     except (OSError, ValueError):
         return None
+
+
+def gather(store: dist.Store, name: str, rank: int, size: int, text: str, timeout: float,
+           ended: Callable[[], None]) -> list[str]:
+    """Every worker's ``text`` under ``name`` (each name once), in rank order, on every worker.
+
+    Waits at most ``timeout`` seconds, polling every ``POLL_SECONDS`` (never one blocking wait, which
+    would hold the client); between polls ``ended()`` raises if the job ended (a peer failed or posted
+    an abort), so no waiter outlives it."""
+    keys = [f"{name}/{worker}" for worker in range(size)]
+    store.set(keys[rank], text)
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):  # polled: a timed-out store.wait logs a warning each time
+        ended()
+        if time.monotonic() > deadline:
+            missing = [worker for worker, key in enumerate(keys) if not store.check([key])]
+            raise KVStoreTimeout(f"worker(s) {missing} did not report {name} within {timeout:.0f} s")
+        time.sleep(POLL_SECONDS)
+    return [store.get(key).decode() for key in keys]
 
 
 def data_group(store: dist.Store, prefix: str, group: Group, timeout: float, device: torch.device) -> Any:

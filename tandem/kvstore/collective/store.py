@@ -19,6 +19,7 @@ import atexit
 import gc
 import itertools
 import json
+import statistics
 import sys
 import threading
 import time
@@ -31,13 +32,13 @@ import torch.distributed as dist
 
 from tandem.env import knob
 from tandem.kvstore.base import Handle, Key, KVStore, normalize
-from tandem.kvstore.collective.group import Group, Monitor, data_group, exit_later, gloo_group
+from tandem.kvstore.collective.group import Group, Monitor, data_group, exit_later, gather, gloo_group
 from tandem.kvstore.collective.scheduler import Operation, Scheduler
 from tandem.kvstore.compression import COMPRESSIBLE, GradientCompression
 from tandem.kvstore.config import DistOptions, P3Options
 from tandem.kvstore.errors import KVStoreError, PeerFailure
 from tandem.kvstore.ps.p3_tuner import AutoTuner, Config, start_slice_size, tuner_for
-from tandem.kvstore.ps.topology import connect_store, gather_over_workers, mean_over_workers
+from tandem.kvstore.ps.topology import connect_store
 
 _STORES_CREATED = itertools.count()  # names each store's keys in the rendezvous store (workers create them in step)
 
@@ -67,7 +68,8 @@ class CollectiveKVStore(KVStore):
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self.monitor = Monitor(self.rendezvous, self.prefix, group, options.heartbeat, options.timeout, self._fail)
+        # the monitor's own client: a heartbeat must not queue behind this thread's blocking waits
+        self.monitor = Monitor(connect_store(group, options.rendezvous_timeout), self.prefix, group, options.heartbeat, options.timeout, self._fail)
         connect = max(options.rendezvous_timeout, self.wait_timeout)
         self._control = gloo_group(self.rendezvous, f"{self.prefix}control/", group, connect)  # the scheduler's rounds
         self._main = gloo_group(self.rendezvous, f"{self.prefix}main/", group, connect)  # init, from the caller's thread
@@ -106,8 +108,20 @@ class CollectiveKVStore(KVStore):
         self.slice_size, self.water_mark, self.send_timing = config.slice_size, config.water_mark, config.send_timing
 
     def _agree(self, cost: float) -> float:
-        return mean_over_workers(self.rendezvous, self._name("tuner"), self.rank, self.num_workers, cost,
-                                 self.wait_timeout)  # fmt: skip
+        values = self._gather("tuner", repr(cost))
+        return statistics.fmean(float(value) for value in values)  # same values, same order: same result
+
+    def _gather(self, what: str, text: str) -> list[str]:
+        """Every worker's ``text`` for this call (collective), in rank order; ends with the job."""
+        return gather(self.rendezvous, self._name(what), self.rank, self.num_workers, text, self.wait_timeout,
+                      self._check_failed)  # fmt: skip
+
+    def _check_failed(self) -> None:
+        """Raise the job's failure, if it failed (here, or by another worker's abort)."""
+        if self._failure is None and self.rendezvous.check([f"{self.prefix}abort"]):
+            self._fail(PeerFailure(f"the job was stopped: {self.rendezvous.get(f'{self.prefix}abort').decode()}"))
+        if self._failure is not None:
+            raise self._failure
 
     def _name(self, what: str) -> str:
         self._calls += 1
@@ -123,8 +137,7 @@ class CollectiveKVStore(KVStore):
             if key in self._keys:
                 raise KVStoreError(f"key {key!r} is already initialised; init each key once")
         mine = [(repr(key), list(tensors[0].shape), str(tensors[0].dtype)) for key, tensors in items]
-        texts = gather_over_workers(self.rendezvous, self._name("init"), self.rank, self.num_workers,
-                                    json.dumps(mine), self.wait_timeout)  # fmt: skip
+        texts = self._gather("init", json.dumps(mine))
         _check_same(mine, [json.loads(text) for text in texts])
         if self._scheduler is None:
             device = items[0][1][0].device if items else torch.device("cpu")
@@ -140,8 +153,7 @@ class CollectiveKVStore(KVStore):
     def set_gradient_compression(self, params: Any) -> None:
         """Collective: compress every worker's slices (see the module docstring); the workers must agree."""
         config = GradientCompression.parse(params)
-        texts = gather_over_workers(self.rendezvous, self._name("compression"), self.rank, self.num_workers,
-                                    f"{config.type}:{config.threshold}", self.wait_timeout)  # fmt: skip
+        texts = self._gather("compression", f"{config.type}:{config.threshold}")
         if len(set(texts)) != 1:
             raise KVStoreError(f"the workers set different gradient compressions {texts} (by rank); every "
                                f"worker of a collective job must set the same")  # fmt: skip
@@ -221,7 +233,7 @@ class CollectiveKVStore(KVStore):
     def barrier(self) -> None:
         """Collective: once this worker's operations are done, wait for every worker to get here."""
         self._settle()
-        gather_over_workers(self.rendezvous, self._name("barrier"), self.rank, self.num_workers, "", self.wait_timeout)
+        self._gather("barrier", "")
 
     def _settle(self) -> None:
         for handle in list(self._last.values()):
