@@ -18,11 +18,13 @@ A worker starts a round when it has something new to say: an operation not yet a
 completed since the last round while slices wait. Every other worker eventually has the same to say
 (in a synchronous job every worker submits the same operations), so rounds pair up and none waits
 forever; one round runs at a time. Thread safety: ``submit`` from any thread; one scheduler thread
-runs the rounds and issues; collectives complete on the group's threads.
+runs the rounds and issues; collectives complete on the group's threads (CUDA slices: on a
+completion thread, once they have run on the GPU; untested, see ``_complete_cuda``).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -106,6 +108,7 @@ class Scheduler:
         self._live: set[Operation] = set()  # submitted, not yet done (failed together if the job fails)
         self.rounds = 0
         self._row = f"collective (worker {rank})"
+        self._cuda_done: queue.SimpleQueue[tuple[Any, Any, _Done] | None] | None = None  # see _complete_cuda
         self._thread = threading.Thread(target=self._run, name=f"tandem-collective-{rank}", daemon=True)
         self._thread.start()
 
@@ -199,10 +202,42 @@ class Scheduler:
                 target.copy_(operation.value[begin:end])
             work = self.data.allreduce([target])
             finish = _nothing
-        work.get_future().add_done_callback(_Done(self, operation.handle, finish))
+        done = _Done(self, operation.handle, finish)
+        if operation.target.is_cuda:
+            self._complete_cuda(work, done)
+        else:
+            work.get_future().add_done_callback(done)
         if trace.enabled():
             trace.record(f"issue {operation.key}[{part.number}]", start, trace.now_us(), "comm",
                          {"key": str(operation.key), "slice": part.number, "priority": operation.priority}, self._row)  # fmt: skip
+
+    def _complete_cuda(self, work: Any, done: _Done) -> None:
+        """A CUDA slice completes only once its collective has run on the GPU (UNTESTED: no GPU here).
+
+        NCCL's future completes when the collective is enqueued, not when it has run: a part
+        completed then would free its credit and let the caller read the sum too early. So the
+        current stream waits for the collective (``work.wait()``: no CPU wait), an event is recorded
+        after it, and a completion thread synchronises the events in issue order and then finishes
+        each slice (decode, count, complete the part)."""
+        work.wait()
+        event = torch.cuda.Event()
+        event.record()
+        if self._cuda_done is None:
+            self._cuda_done = queue.SimpleQueue()
+            threading.Thread(target=self._cuda_completions, args=(self._cuda_done,),
+                             name=f"tandem-collective-cuda-{self.rank}", daemon=True).start()  # fmt: skip
+        self._cuda_done.put((work.get_future(), event, done))
+
+    def _cuda_completions(self, waiting: queue.SimpleQueue[tuple[Any, Any, _Done] | None]) -> None:
+        while (item := waiting.get()) is not None:
+            future, event, done = item
+            try:
+                event.synchronize()
+                future.wait()
+            except BaseException as error:  # noqa: BLE001 - the store names the cause
+                self.broken(error)
+                continue
+            done(future)
 
     def _completed(self) -> None:
         with self._cond:
@@ -251,6 +286,8 @@ class Scheduler:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout=timeout)
+        if self._cuda_done is not None:
+            self._cuda_done.put(None)  # after what is queued: the completion thread ends once those are done
 
 
 def _nothing() -> None:
