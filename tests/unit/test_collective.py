@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.kvstore.collective.group import Group
+from tandem.kvstore.collective.scheduler import Scheduler
 from tandem.kvstore.collective.store import CollectiveKVStore
 from tandem.kvstore.config import DistOptions, KVStoreConfig, P3Options
 from tandem.kvstore.errors import KVStoreError
@@ -131,3 +132,41 @@ def test_options_and_refusals() -> None:
             kv.push("w", torch.zeros(3))
 
     _each_worker(2, work)
+
+
+def test_init_while_pushes_are_pending_settles_them_first() -> None:
+    """An init with pushes in flight waits for them, so every worker's scheduler agrees over the same keys."""
+
+    def work(kv: CollectiveKVStore) -> tuple[torch.Tensor, torch.Tensor]:
+        kv.init("a", torch.zeros(50))
+        pushed = kv.push("a", torch.ones(50) * (kv.rank + 1))  # not waited for: pending at the next init
+        kv.init("b", torch.zeros(9))
+        assert pushed.done
+        a, b = torch.empty(50), torch.empty(9)
+        kv.pushpull(["a", "b"], [torch.ones(50), torch.ones(9)], out=[a, b]).wait(timeout=30)
+        return a, b
+
+    for a, b in _each_worker(2, work):
+        assert torch.equal(a, torch.full((50,), 2.0)) and torch.equal(b, torch.full((9,), 2.0))
+
+
+def test_schedulers_with_different_numbers_of_keys_are_an_error() -> None:
+    """The agreement carries how many keys each worker has: a difference is an error, never a MIN over
+    vectors of different lengths."""
+
+    class OtherHasMoreKeys:  # the control group: the other worker knows one key more
+        def allreduce(self, tensors: list[torch.Tensor], options: Any) -> Any:
+            tensors[0][1] = -(int(tensors[0][0]) + 1)
+            return self
+
+        def wait(self, timeout: Any) -> bool:
+            return True
+
+    errors: list[BaseException] = []
+    scheduler = Scheduler(0, 2, OtherHasMoreKeys(), None, 5.0, errors.append)
+    try:
+        scheduler.add_key()
+        with pytest.raises(KVStoreError, match=r"different numbers of keys \(1 to 2\)"):
+            scheduler._round(torch.tensor([1, -1, 1, 0]))
+    finally:
+        scheduler.stop(timeout=5)

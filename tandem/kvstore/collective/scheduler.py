@@ -154,7 +154,8 @@ class Scheduler:
                         if self._stopping or self._broken:
                             return
                         self._cond.wait(POLL_SECONDS)
-                    mine = torch.tensor([*self._state.submitted, self._state.completed], dtype=torch.int64)
+                    keys = len(self._state.submitted)  # and its negation: MIN gives the fewest and the most keys
+                    mine = torch.tensor([keys, -keys, *self._state.submitted, self._state.completed], dtype=torch.int64)
                 self._round(mine)
         except BaseException as error:  # noqa: BLE001 - every waiter learns of it through its handle
             self.broken(error)
@@ -166,7 +167,10 @@ class Scheduler:
         options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # the enum member is what it takes
         self.control.allreduce([mine], options).wait(timedelta(seconds=self.timeout))
         self.rounds += 1
-        agreed = mine.tolist()
+        fewest, most, *agreed = mine.tolist()
+        if fewest != -most:
+            raise KVStoreError(f"the workers' schedulers know different numbers of keys ({fewest} to {-most}): every "
+                               f"worker must init the same keys, and init only when its operations are done")  # fmt: skip
         with self._cond:
             state = self._state
             for index, count in enumerate(agreed[:-1]):  # in key order: the queue is the same everywhere

@@ -136,6 +136,8 @@ class CollectiveKVStore(KVStore):
         for key, _ in items:
             if key in self._keys:
                 raise KVStoreError(f"key {key!r} is already initialised; init each key once")
+        # the scheduler's agreement covers every key: settle first, so no worker adds one mid-round
+        self._settle()
         mine = [(repr(key), list(tensors[0].shape), str(tensors[0].dtype)) for key, tensors in items]
         texts = self._gather("init", json.dumps(mine))
         _check_same(mine, [json.loads(text) for text in texts])
