@@ -21,7 +21,7 @@ _JOBS = itertools.count()
 
 
 def _each_worker(workers: int, function: Callable[[CollectiveKVStore], Any], slice_size: int = 7,
-                 water_mark: int = 2) -> list[Any]:  # fmt: skip
+                 water_mark: int = 2, slice_sizes: list[int] | None = None) -> list[Any]:  # fmt: skip
     """``function(store)`` on each of ``workers`` stores, one thread each; returns the results by rank."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     options = DistOptions.from_env("dist_sync", exit_on_failure=False)
@@ -29,7 +29,7 @@ def _each_worker(workers: int, function: Callable[[CollectiveKVStore], Any], sli
 
     def run(rank: int) -> Any:
         store = CollectiveKVStore(Group(rank, workers, "127.0.0.1", master.port, workers), options,
-                                  P3Options(slice_size, water_mark), name=name)  # fmt: skip
+                                  P3Options(slice_sizes[rank] if slice_sizes else slice_size, water_mark), name=name)  # fmt: skip
         try:
             return function(store)
         finally:
@@ -170,3 +170,13 @@ def test_schedulers_with_different_numbers_of_keys_are_an_error() -> None:
             scheduler._round(torch.tensor([1, -1, 1, 0]))
     finally:
         scheduler.stop(timeout=5)
+
+
+def test_different_slice_sizes_are_refused_at_init_naming_both() -> None:
+    def work(kv: CollectiveKVStore) -> str:
+        with pytest.raises(KVStoreError) as error:
+            kv.init("w", torch.zeros(4))
+        return str(error.value)
+
+    for message in _each_worker(2, work, slice_sizes=[7, 0]):  # 0: "auto"
+        assert "the workers' slice sizes differ: 7 on worker 0 but auto on worker 1" in message, message

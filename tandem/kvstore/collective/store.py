@@ -130,7 +130,8 @@ class CollectiveKVStore(KVStore):
     # -- collective set-up -----------------------------------------------------------------------
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:
         """Collective: every worker inits the same keys, in the same order, with the same shapes and
-        dtypes (checked: a difference names the key and both shapes); worker 0's values are stored."""
+        dtypes, and the same slice size (checked: a difference names the key and both shapes, or both
+        slice sizes); worker 0's values are stored."""
         self._check_usable()
         items = normalize(keys, values, "init")
         for key, _ in items:
@@ -139,8 +140,14 @@ class CollectiveKVStore(KVStore):
         # the scheduler's agreement covers every key: settle first, so no worker adds one mid-round
         self._settle()
         mine = [(repr(key), list(tensors[0].shape), str(tensors[0].dtype)) for key, tensors in items]
-        texts = self._gather("init", json.dumps(mine))
-        _check_same(mine, [json.loads(text) for text in texts])
+        slicing = "auto" if self.tuner is not None else str(self.slice_size)  # cuts every worker's slices alike
+        everyone = [json.loads(text) for text in self._gather("init", json.dumps([slicing, mine]))]
+        for rank, (theirs, _) in enumerate(everyone):
+            if theirs != everyone[0][0]:
+                raise KVStoreError(f"the workers' slice sizes differ: {everyone[0][0]} on worker 0 but {theirs} on "
+                                   f"worker {rank}; every worker must set the same slice_size (the same "
+                                   f"kvstore options and TANDEM_KVSTORE_SLICE_THRESHOLD)")  # fmt: skip
+        _check_same(mine, [keys for _, keys in everyone])
         if self._scheduler is None:
             device = items[0][1][0].device if items else torch.device("cpu")
             data = data_group(self.rendezvous, f"{self.prefix}data/", self.group, self.wait_timeout, device)
