@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tandem.kvstore.collective.group import Group
+from tandem.kvstore.collective import group as group_module
+from tandem.kvstore.collective.group import Group, listen_address, route_address
 from tandem.kvstore.collective.scheduler import Scheduler
 from tandem.kvstore.collective.store import CollectiveKVStore
 from tandem.kvstore.config import DistOptions, KVStoreConfig, P3Options
@@ -180,3 +181,39 @@ def test_different_slice_sizes_are_refused_at_init_naming_both() -> None:
 
     for message in _each_worker(2, work, slice_sizes=[7, 0]):  # 0: "auto"
         assert "the workers' slice sizes differ: 7 on worker 0 but auto on worker 1" in message, message
+
+
+def test_gloo_listens_on_the_chosen_interface_the_bind_address_or_the_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("TANDEM_BIND_ADDR", raising=False)
+    assert listen_address("127.0.0.1", 29500) == "127.0.0.1"  # a loopback route: that address, not gloo's pick
+    monkeypatch.setenv("TANDEM_BIND_ADDR", "0.0.0.0")  # a wildcard names no address: the route
+    assert listen_address("127.0.0.1", 29500) == "127.0.0.1"
+    monkeypatch.setenv("TANDEM_BIND_ADDR", "10.1.2.3")
+    assert listen_address("127.0.0.1", 29500) == "10.1.2.3"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert listen_address("127.0.0.1", 29500) is None  # gloo uses the interface chosen
+    assert route_address("::1", 29500) in ("::1", None)  # None where IPv6 is off
+    assert route_address("no-such-host.invalid", 29500) is None
+
+
+def test_an_ipv6_scope_is_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Probe:
+        def __init__(self, *args: Any) -> None:
+            pass
+
+        def __enter__(self) -> Probe:
+            return self
+
+        def __exit__(self, *args: Any) -> None:
+            pass
+
+        def connect(self, target: Any) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("fe80::1%eth0", 1234)
+
+    monkeypatch.setattr(group_module.socket, "getaddrinfo", lambda *args, **kwargs: [(10, 0, 0, "", ("fe80::2", 1))])
+    monkeypatch.setattr(group_module.socket, "socket", Probe)
+    assert route_address("fe80::2", 29500) == "fe80::1"

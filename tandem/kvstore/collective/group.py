@@ -87,16 +87,10 @@ class Group:
 
 
 def gloo_group(store: dist.Store, prefix: str, group: Group, timeout: float) -> Any:
-    """A gloo process group of every worker, meeting under ``prefix`` in ``store``.
-
-    Gloo listens on the address its host name resolves to, which on many Linux installs is a
-    loopback address (``127.0.1.1``) that other hosts cannot reach; so unless ``GLOO_SOCKET_IFNAME``
-    chooses an interface, a worker that reaches the store over a real interface listens on that
-    interface's address (the one its peers reach it by, since they reach the same store).
-    """
+    """A gloo process group of every worker, meeting under ``prefix`` in ``store``, listening on
+    ``listen_address`` (gloo's own choice where that is None)."""
     prefixed = dist.PrefixStore(prefix, store)
-    chosen = bool(os.environ.get("GLOO_SOCKET_IFNAME"))
-    address = None if chosen else route_address(group.master_addr, group.master_port)
+    address = listen_address(group.master_addr, group.master_port)
     if address is None:
         return dist.ProcessGroupGloo(prefixed, group.rank, group.size, timedelta(seconds=timeout))
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the gloo options (not typed)
@@ -105,15 +99,30 @@ def gloo_group(store: dist.Store, prefix: str, group: Group, timeout: float) -> 
     return dist.ProcessGroupGloo(prefixed, group.rank, group.size, options)
 
 
+def listen_address(host: str, port: int) -> str | None:
+    """The address gloo listens on: None (gloo's choice) if ``GLOO_SOCKET_IFNAME`` chooses an interface;
+    else ``TANDEM_BIND_ADDR`` if set (not a wildcard); else this machine's address on the route to
+    the store (``host``), loopback included; None only if there is no route.
+
+    Gloo's own choice, the address the host name resolves to, is often a loopback address other
+    hosts cannot reach (``127.0.1.1``), or a LAN address where the store is on loopback; the route
+    to the store is the address the peers, reaching the same store, reach this worker by."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    if is_set("TANDEM_BIND_ADDR") and knob("TANDEM_BIND_ADDR") not in ("0.0.0.0", "*", "::"):
+        return str(knob("TANDEM_BIND_ADDR"))
+    return route_address(host, port)
+
+
 def route_address(host: str, port: int) -> str | None:
-    """This machine's address on the route to ``host``, None if that is loopback (or there is no route);
-    sends nothing."""
+    """This machine's address on the route to ``host`` (loopback if ``host`` is), without an IPv6
+    scope suffix; None if there is no route. Sends nothing."""
     try:
         family, _, _, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(target)  # a UDP connect only picks the route and the source address
-            address = str(probe.getsockname()[0])
-        return None if ipaddress.ip_address(address.split("%")[0]).is_loopback else address
+            address = str(probe.getsockname()[0]).split("%")[0]
+        return str(ipaddress.ip_address(address))
     except (OSError, ValueError):
         return None
 
