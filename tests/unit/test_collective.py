@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tandem.kvstore.base import Handle
 from tandem.kvstore.collective import group as group_module
 from tandem.kvstore.collective.group import Group, listen_address, route_address
-from tandem.kvstore.collective.scheduler import Scheduler
+from tandem.kvstore.collective.scheduler import Operation, Scheduler
 from tandem.kvstore.collective.store import CollectiveKVStore
 from tandem.kvstore.config import DistOptions, KVStoreConfig, P3Options
 from tandem.kvstore.errors import KVStoreError
@@ -217,3 +218,24 @@ def test_an_ipv6_scope_is_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(group_module.socket, "getaddrinfo", lambda *args, **kwargs: [(10, 0, 0, "", ("fe80::2", 1))])
     monkeypatch.setattr(group_module.socket, "socket", Probe)
     assert route_address("fe80::2", 29500) == "fe80::1"
+
+
+def test_a_round_the_job_failed_during_issues_nothing() -> None:
+    failure = KVStoreError("the job failed")
+
+    class FailsDuringTheAgreement:  # the control group: the job fails while the round waits
+        def allreduce(self, tensors: list[torch.Tensor], options: Any) -> Any:
+            scheduler.fail(failure)
+            return self
+
+        def wait(self, timeout: Any) -> bool:
+            return True
+
+    scheduler = Scheduler(0, 2, FailsDuringTheAgreement(), None, 5.0, lambda error: None)  # no data group
+    scheduler.stop(timeout=5)  # no thread of its own: the round below is the only one
+    scheduler.add_key()
+    handle = Handle("push", 1)
+    scheduler._state.submitted[0] = 1
+    scheduler._state.waiting[0].append(Operation(0, "w", torch.ones(4), torch.ones(4), 7, 0, 2, handle))
+    scheduler._round(torch.tensor([1, -1, 1, 0]))  # issuing would fail: there is no data group
+    assert scheduler._state.issued == 0 and not scheduler._ready

@@ -172,6 +172,8 @@ class Scheduler:
             raise KVStoreError(f"the workers' schedulers know different numbers of keys ({fewest} to {-most}): every "
                                f"worker must init the same keys, and init only when its operations are done")  # fmt: skip
         with self._cond:
+            if self._broken:  # the job failed during the agreement: issue nothing
+                return
             state = self._state
             for index, count in enumerate(agreed[:-1]):  # in key order: the queue is the same everywhere
                 for _ in range(count - state.agreed[index]):
@@ -202,7 +204,7 @@ class Scheduler:
             finish: Callable[[], None] = _Decode(operation, begin, end, gathered)
         else:
             target = operation.target[begin:end]
-            if operation.target is not operation.value:
+            if not _same_memory(operation.target, operation.value):  # pushpull without out: sums in place
                 target.copy_(operation.value[begin:end])
             work = self.data.allreduce([target])
             finish = _nothing
@@ -292,6 +294,11 @@ class Scheduler:
         self._thread.join(timeout=timeout)
         if self._cuda_done is not None:
             self._cuda_done.put(None)  # after what is queued: the completion thread ends once those are done
+
+
+def _same_memory(one: torch.Tensor, other: torch.Tensor) -> bool:
+    """The two flat tensors are the same memory (views of one tensor may be different objects)."""
+    return one.data_ptr() == other.data_ptr() and one.numel() == other.numel() and one.dtype == other.dtype
 
 
 def _nothing() -> None:

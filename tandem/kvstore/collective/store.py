@@ -212,7 +212,11 @@ class CollectiveKVStore(KVStore):
         return handle
 
     def pull(self, keys: Key | Sequence[Key], out: Any, priority: int = 0) -> Handle:
-        """The keys' last sums (their init values before any push), once the pushes before it are done."""
+        """The keys' last sums (their init values before any push), once the pushes before it are done.
+
+        No copy is kept of a sum written into a caller's tensor: after ``pushpull(key, ..., out=x)``
+        (or without ``out``: into the pushed value) pull reads ``x`` itself, so it returns what ``x``
+        holds then; change ``x`` and pull returns the change. A ``push``'s sum is the store's own."""
         self._check_usable()
         items = normalize(keys, out, "pull")
         copies = []
