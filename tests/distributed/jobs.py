@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+
+import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -41,3 +46,54 @@ def run_job(script: str, workers: int, servers: int, *args: str, env: dict[str, 
 
 def worker_lines(output: str, marker: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("[worker") and marker in line]
+
+
+def start_by_hand(
+    tmp_path: Path, workers: int, servers: int, script: str = "train_forever.py", *args: str
+) -> tuple[dist.TCPStore, dict[str, subprocess.Popen[bytes]]]:
+    """A job's processes started one by one, no launcher: each ``role rank`` logs to tmp_path/<role><rank>.log.
+    Keep the returned store alive while they run (it is the rendezvous)."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    base = job_env(**FAST_FAULTS, TANDEM_NUM_WORKERS=str(workers), TANDEM_NUM_SERVERS=str(servers),
+                   TANDEM_MASTER_ADDR="127.0.0.1", TANDEM_MASTER_PORT=str(store.port))  # fmt: skip
+    processes = {}
+    for role, count in (("server", servers), ("worker", workers)):
+        for rank in range(count):
+            log = open(tmp_path / f"{role}{rank}.log", "wb")  # noqa: SIM115 - closed with the process
+            env = {**base, "TANDEM_ROLE": role, "TANDEM_RANK": str(rank), "PYTHONUNBUFFERED": "1"}
+            processes[f"{role} {rank}"] = subprocess.Popen(
+                [sys.executable, str(SCRIPTS / script), *args],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+    return store, processes
+
+
+def process_log(tmp_path: Path, name: str) -> str:
+    """What process ``name`` ("worker 0") of a start_by_hand job has logged so far."""
+    return (tmp_path / f"{name.replace(' ', '')}.log").read_text(errors="replace")
+
+
+def kill_mid_training(
+    tmp_path: Path, processes: dict[str, subprocess.Popen[bytes]], victim: str, deadline: float
+) -> tuple[dict[str, int], float]:
+    """SIGKILL ``victim`` once worker 0 has logged step 20; every process's exit code, and the seconds
+    from the kill until the last one exited. Whatever is left is killed, even on failure."""
+    try:
+        started = time.monotonic() + 60
+        while "step 20" not in process_log(tmp_path, "worker 0"):
+            assert time.monotonic() < started and processes["worker 0"].poll() is None, process_log(
+                tmp_path, "worker 0"
+            )
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        processes[victim].send_signal(signal.SIGKILL)
+        codes = {name: process.wait(timeout=deadline) for name, process in processes.items()}
+        return codes, time.monotonic() - killed_at
+    finally:
+        for process in processes.values():
+            process.kill()

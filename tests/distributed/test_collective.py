@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -19,8 +18,18 @@ from tandem.kvstore.collective.group import Group
 from tandem.kvstore.collective.store import CollectiveKVStore
 from tandem.kvstore.config import DistOptions, P3Options
 from tests.distributed.collective_models import model_and_batch, train_eagerly
-from tests.distributed.jobs import FAST_FAULTS, REPO, SCRIPTS, job_env, launch_command, run_job, worker_lines
-from tests.distributed.test_faults import _log, _start_by_hand
+from tests.distributed.jobs import (
+    FAST_FAULTS,
+    REPO,
+    SCRIPTS,
+    job_env,
+    kill_mid_training,
+    launch_command,
+    process_log,
+    run_job,
+    start_by_hand,
+    worker_lines,
+)
 
 DEADLINE = 30.0
 
@@ -89,22 +98,10 @@ def test_compression_trains(tmp_path: Path) -> None:
 
 def test_a_dead_peer_ends_the_job_naming_it(tmp_path: Path) -> None:
     """No launcher to stop the job: the survivors learn from the heartbeats which worker died, and exit."""
-    store, processes = _start_by_hand(tmp_path, 2, 0, "collective_forever.py")
-    log = tmp_path / "worker0.log"
-    try:
-        deadline = time.monotonic() + 60
-        while "step 20" not in log.read_text(errors="replace"):
-            assert time.monotonic() < deadline and processes["worker 0"].poll() is None, log.read_text()
-            time.sleep(0.05)
-        killed_at = time.monotonic()
-        processes["worker 1"].send_signal(signal.SIGKILL)
-        codes = {name: process.wait(timeout=DEADLINE) for name, process in processes.items()}
-        elapsed = time.monotonic() - killed_at
-    finally:
-        for process in processes.values():
-            process.kill()
-        del store
-    logs = {name: _log(tmp_path, name) for name in processes}
+    store, processes = start_by_hand(tmp_path, 2, 0, "collective_forever.py")
+    codes, elapsed = kill_mid_training(tmp_path, processes, "worker 1", DEADLINE)
+    del store
+    logs = {name: process_log(tmp_path, name) for name in processes}
     assert elapsed < DEADLINE, (elapsed, logs)
     assert all(code != 0 for code in codes.values()), (codes, logs)
     # a silent peer: named by its rank, pid and host

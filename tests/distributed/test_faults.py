@@ -10,16 +10,22 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
-from tests.distributed.jobs import FAST_FAULTS, REPO, SCRIPTS, job_env, launch_command, run_job
+from tests.distributed.jobs import (
+    FAST_FAULTS,
+    REPO,
+    job_env,
+    kill_mid_training,
+    launch_command,
+    process_log,
+    run_job,
+    start_by_hand,
+)
 
 DEADLINE = 30.0
 
@@ -82,33 +88,6 @@ def test_launcher_stops_the_job_when_a_process_dies(victim: str) -> None:
     assert all(_gone(pid) for pid in pids.values()), text
 
 
-def _start_by_hand(
-    tmp_path: Path, workers: int, servers: int, script: str = "train_forever.py", *args: str
-) -> tuple[dist.TCPStore, dict[str, subprocess.Popen[bytes]]]:
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
-    base = job_env(**FAST_FAULTS, TANDEM_NUM_WORKERS=str(workers), TANDEM_NUM_SERVERS=str(servers),
-                   TANDEM_MASTER_ADDR="127.0.0.1", TANDEM_MASTER_PORT=str(store.port))  # fmt: skip
-    processes = {}
-    for role, count in (("server", servers), ("worker", workers)):
-        for rank in range(count):
-            log = open(tmp_path / f"{role}{rank}.log", "wb")  # noqa: SIM115 - closed with the process
-            env = {**base, "TANDEM_ROLE": role, "TANDEM_RANK": str(rank), "PYTHONUNBUFFERED": "1"}
-            processes[f"{role} {rank}"] = subprocess.Popen(
-                [sys.executable, str(SCRIPTS / script), *args],
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-    return store, processes
-
-
-def _log(tmp_path: Path, name: str) -> str:
-    return (tmp_path / f"{name.replace(' ', '')}.log").read_text(errors="replace")
-
-
 @pytest.mark.parametrize(
     "victim, survivor_says",
     [
@@ -119,23 +98,10 @@ def _log(tmp_path: Path, name: str) -> str:
 def test_processes_notice_a_dead_peer_without_a_launcher(
     tmp_path: Path, victim: str, survivor_says: str
 ) -> None:
-    store, processes = _start_by_hand(tmp_path, workers=2, servers=2)
-    try:
-        deadline = time.monotonic() + 60
-        while "step 20" not in _log(tmp_path, "worker 0"):
-            assert time.monotonic() < deadline and processes["worker 0"].poll() is None, _log(
-                tmp_path, "worker 0"
-            )
-            time.sleep(0.05)
-        killed_at = time.monotonic()
-        processes[victim].send_signal(signal.SIGKILL)
-        codes = {name: process.wait(timeout=DEADLINE) for name, process in processes.items()}
-        elapsed = time.monotonic() - killed_at
-    finally:
-        for process in processes.values():
-            process.kill()
-        del store
-    logs = {name: _log(tmp_path, name) for name in processes}
+    store, processes = start_by_hand(tmp_path, workers=2, servers=2)
+    codes, elapsed = kill_mid_training(tmp_path, processes, victim, DEADLINE)
+    del store
+    logs = {name: process_log(tmp_path, name) for name in processes}
     assert elapsed < DEADLINE, (elapsed, logs)
     for name, code in codes.items():
         assert code != 0, (name, code, logs[name])
@@ -145,14 +111,14 @@ def test_processes_notice_a_dead_peer_without_a_launcher(
 
 def test_a_worker_dying_of_an_exception_stops_the_job_at_once(tmp_path: Path) -> None:
     """The dying worker sends ABORT (not a goodbye): nobody waits for a heartbeat timeout."""
-    store, processes = _start_by_hand(tmp_path, 2, 2, "early_exit.py", "raise")
+    store, processes = start_by_hand(tmp_path, 2, 2, "early_exit.py", "raise")
     try:
         codes = {name: process.wait(timeout=DEADLINE) for name, process in processes.items()}
     finally:
         for process in processes.values():
             process.kill()
         del store
-    logs = {name: _log(tmp_path, name) for name in processes}
+    logs = {name: process_log(tmp_path, name) for name in processes}
     assert all(code != 0 for code in codes.values()), (codes, logs)
     for name in ("server 0", "server 1", "worker 0"):
         assert "worker 1 died of ValueError: injected failure" in logs[name], (name, logs[name])
