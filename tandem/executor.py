@@ -203,14 +203,16 @@ class Executor:
             report.gradient_ready_s.update((name, now) for name in segment.gradients)
             self._announce(segment, slots)
 
-    def run_measured(self, inputs: Sequence[torch.Tensor], hooks: StepHooks = NO_HOOKS) -> tuple[list[Any], MemoryStats]:
+    def run_measured(self, inputs: Sequence[torch.Tensor], hooks: StepHooks = NO_HOOKS,
+                     progress: Callable[[int, int, str], None] | None = None) -> tuple[list[Any], MemoryStats]:
         """Like run(), on the calling thread, measuring memory: the aten backend interprets node by node
         counting live intermediate bytes; the inductor backend compiles what is not yet compiled, then
-        runs its kernels under the profiler's allocation events, which see the buffers inside them."""
+        runs its kernels under the profiler's allocation events, which see the buffers inside them.
+        ``progress`` is handed to ``compile_run`` when there is something to compile."""
         if hooks.before_measured_run is not None:
-            hooks.before_measured_run()
+            hooks.before_measured_run()  # the compile run reads the parameters too: they must be final
         if self.backend == "inductor":
-            return self._run_compiled_measured(inputs)
+            return self._run_compiled_measured(inputs, progress)
         slots = self.new_slots(inputs)
         meter = _MemoryMeter(inputs)
         held: dict[int, list[int]] = {}
@@ -251,9 +253,10 @@ class Executor:
                 if progress is not None:
                     progress(done, len(self.segments), segment.name)
 
-    def _run_compiled_measured(self, inputs: Sequence[torch.Tensor]) -> tuple[list[Any], MemoryStats]:
+    def _run_compiled_measured(self, inputs: Sequence[torch.Tensor],
+                               progress: Callable[[int, int, str], None] | None) -> tuple[list[Any], MemoryStats]:
         if not self.compiled:
-            self.compile_run(inputs)
+            self.compile_run(inputs, progress)
         slots = self.new_slots(inputs)
         stats = MemoryStats()
         allocator = _AllocatorPeak(inputs)

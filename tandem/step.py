@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -162,11 +163,8 @@ class TrainStep:
         graph = compiled.graph
         inputs = graph.inputs(self.module, tensors)
         if compiled.memory is None or self.config.measure_memory:
-            if not compiled.executor.compiled:
-                if hooks.before_measured_run is not None:
-                    hooks.before_measured_run()  # the compile run reads the parameters: they must be final
-                _compile_with_progress(compiled.executor, inputs)
-            outputs, compiled.memory = compiled.executor.run_measured(inputs, hooks)
+            with _compile_progress(compiled.executor) as progress:
+                outputs, compiled.memory = compiled.executor.run_measured(inputs, hooks, progress)
         else:
             outputs = compiled.executor.run(inputs, hooks=hooks)
         self._last = compiled
@@ -294,8 +292,13 @@ class TrainStep:
         return StepResult(loss=loss, grads=grads)
 
 
-def _compile_with_progress(executor: Executor, inputs: Sequence[Any]) -> None:
-    """Compile every segment (the inductor backend), with a progress bar: cold, this takes seconds to minutes."""
+@contextmanager
+def _compile_progress(executor: Executor) -> Iterator[Callable[[int, int, str], None] | None]:
+    """A progress bar while the measured run compiles the segments (cold, seconds to minutes); None
+    when there is nothing to compile."""
+    if executor.compiled:
+        yield None
+        return
     from tqdm import tqdm
 
     with tqdm(total=len(executor.segments), desc=f"tandem: compiling segments ({executor.backend})", unit="segment",
@@ -304,10 +307,9 @@ def _compile_with_progress(executor: Executor, inputs: Sequence[Any]) -> None:
             bar.set_postfix_str(name)
             bar.update()
 
-        executor.compile_run(inputs, progress=advance)
-    report = executor.compile_report()
+        yield advance
     log.info("tandem: compiled %d segments with %s in %.1f s", len(executor.segments), executor.backend,
-             report["compile_s"])
+             executor.compile_report()["compile_s"])
 
 
 @dataclass
