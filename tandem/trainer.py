@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
+from tandem import checkpoint
+from tandem.checkpoint import atomic_save
 from tandem.graph.batch import as_arguments, batch_size_of
 from tandem.graph.capture import LossFn
 from tandem.kvstore.compression import GradientCompression
@@ -143,6 +147,8 @@ class Trainer:
         self.grads: dict[str, torch.Tensor] = {}
         self._train_step: TrainStep | None = None
         self._eval_step: EvalStep | None = None
+        self._checkpointed_step = -1  # the step of the last checkpoint fit wrote or resumed from
+        self._server_state_to_load: Path | None = None  # a resumed checkpoint's server files, loaded at the first step
         params = dict(module.named_parameters())
         self._apply = OptimizerApply(params, optimizer, self.config.clip_grad_norm)
         self._update = self._make_update(params)
@@ -262,7 +268,8 @@ class Trainer:
         reset_arrays(list(self.grads.values()))
 
     # -- loops --------------------------------------------------------------------------------
-    def fit(self, train_data: Any, epochs: int = 1, eval_data: Any = None) -> list[dict[str, float]]:
+    def fit(self, train_data: Any, epochs: int = 1, eval_data: Any = None, checkpoint_dir: str | None = None,
+            checkpoint_every: int | None = None) -> list[dict[str, float]]:  # fmt: skip
         """Train for ``epochs`` over a Dataset (batched here) or a DataLoader / iterable of batches.
 
         A ``TensorDataset`` or any other map-style ``Dataset`` is batched here (``batch_size``,
@@ -271,37 +278,65 @@ class Trainer:
         worker iterates it whole: shard it yourself). Each item is a batch: a tuple/list is spread
         into ``loss_fn(module, *batch)``'s arguments, a dict or a tensor is one argument.
 
-        Returns one record per epoch: train loss, samples/s, and eval loss/accuracy when given.
+        With ``checkpoint_dir``, a checkpoint is written there every ``checkpoint_every`` steps
+        (unset: at the end of every epoch) and at the end (``tandem.checkpoint``'s layout:
+        ``checkpoint_dir/step-000120/``, the newest two complete ones kept). When that directory
+        already holds a complete checkpoint ahead of this trainer (a restarted job), ``fit`` first
+        resumes from it by itself: model, optimizer, step, epoch, RNG, the servers' values and
+        optimizer state (a server-side optimizer), and the place in the epoch (the batches already
+        taken are skipped, so the run takes the same batches as one never interrupted; the data must
+        be a Dataset, or an iterable with the same order every time). ``epochs`` then counts from
+        where the interrupted run started: it finishes where that one would have. Every worker of a
+        distributed job must see the same directory (a shared filesystem across machines).
+
+        Returns one record per epoch trained in this call: train loss, samples/s, and eval
+        loss/accuracy when given.
 
         Example:
             ```python
             history = trainer.fit(data.digits("train"), epochs=2, eval_data=data.digits("test"))
             history[-1]["train_loss"], history[-1]["eval_accuracy"]
+            trainer.fit(data.digits("train"), epochs=5, checkpoint_dir="ckpt", checkpoint_every=100)
             ```
         """
         from tqdm.auto import tqdm
 
+        if checkpoint_every is not None and (checkpoint_dir is None or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every={checkpoint_every!r} needs a checkpoint_dir and must be >= 1 (steps)")
+        position = (self._resume(checkpoint_dir) if checkpoint_dir is not None else None) \
+            or _FitPosition(end_epoch=self.epoch + epochs)  # fmt: skip
         history: list[dict[str, float]] = []
-        for _ in range(epochs):
+        while self.epoch < position.end_epoch:
             batches = self._batches(train_data, train=True)
             bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", disable=not self.config.progress, leave=False,
                        **progress_options())
-            samples, loss_sum, count, start = 0, 0.0, 0, time.perf_counter()
-            for item in bar:
+            timed_samples, start = 0, time.perf_counter()
+            for index, item in enumerate(bar):
+                if index < position.batches_done:
+                    continue  # taken before the checkpoint this run resumed from: same batches, same order
                 batch = as_arguments(item)
+                if self._server_state_to_load is not None:
+                    self._load_server_state(batch)
                 loss = self.step(*batch)
-                samples += batch_size_of(batch)
-                loss_sum, count = loss_sum + loss, count + 1
-                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / (time.perf_counter() - start):.0f}",
+                timed_samples += batch_size_of(batch)
+                position.took(loss, batch_size_of(batch))
+                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{timed_samples / (time.perf_counter() - start):.0f}",
                                 refresh=False)  # shown at the bar's next redraw (mininterval)
+                if checkpoint_dir is not None and checkpoint_every is not None and self.step_count % checkpoint_every == 0:
+                    self._save_checkpoint(checkpoint_dir, position)
             bar.close()
             self.epoch += 1
             elapsed = time.perf_counter() - start
-            record = {"epoch": float(self.epoch), "train_loss": loss_sum / max(count, 1),
-                      "samples_per_s": samples / elapsed if elapsed > 0 else math.nan, "seconds": elapsed}
+            record = {"epoch": float(self.epoch), "train_loss": position.loss_sum / max(position.count, 1),
+                      "samples_per_s": timed_samples / elapsed if elapsed > 0 else math.nan, "seconds": elapsed}
+            position = _FitPosition(end_epoch=position.end_epoch)  # the next epoch, from its first batch
+            if checkpoint_dir is not None and checkpoint_every is None:
+                self._save_checkpoint(checkpoint_dir, position)
             if eval_data is not None:
                 record.update({f"eval_{k}": v for k, v in self.evaluate(eval_data).items()})
             history.append(record)
+        if checkpoint_dir is not None and self._checkpointed_step != self.step_count:
+            self._save_checkpoint(checkpoint_dir, position)
         return history
 
     def evaluate(self, data: Any) -> dict[str, float]:
@@ -425,12 +460,15 @@ class Trainer:
     def save(self, path: str) -> None:
         """Write a checkpoint (model, optimizer state, step, epoch, RNG) that torch.load can read.
 
+        Atomically (``tandem.checkpoint.atomic_save``): a process killed while saving leaves the
+        previous checkpoint at ``path`` whole.
+
         Example:
             ```python
             trainer.save("ckpt.pt")
             ```
         """
-        torch.save(self.state_dict(), path)
+        atomic_save(self.state_dict(), path)  # killed mid-save: the previous file at path is still whole
 
     def load(self, path: str) -> None:
         """Resume from save(): the run continues the trajectory it would have had without stopping.
@@ -442,6 +480,76 @@ class Trainer:
             ```
         """
         self.load_state_dict(torch.load(path, weights_only=True))
+
+
+    # -- fit's checkpoint directories (tandem.checkpoint) --------------------------------------------
+    def _resume(self, root: str) -> _FitPosition | None:
+        """Load the newest complete checkpoint under ``root`` if it is ahead of this trainer (a restarted
+        job); its place in the data, or None when there is nothing to resume from.
+
+        Every worker of a job takes the same one: they all start at step 0 and read the same directory."""
+        found = checkpoint.latest(root)
+        if found is None or found[0] <= self.step_count:
+            return None  # nothing there, or this trainer wrote it itself (a later fit call of the same run)
+        step, directory, marker = found
+        if marker.get("workers", 1) != self.num_workers:
+            raise ValueError(f"checkpoint {directory} was written by {marker.get('workers')} workers; this job has "
+                             f"{self.num_workers}: resume with as many workers, or use another checkpoint_dir")  # fmt: skip
+        document = torch.load(checkpoint.worker_file(directory, self.rank), weights_only=True)
+        self.load_state_dict(document["trainer"])
+        position = _FitPosition(**document["fit"])
+        if marker.get("server_state"):
+            self._server_state_to_load = directory
+        self._checkpointed_step = step
+        print(f"tandem: worker {self.rank} resumes from {directory} (step {step}, epoch {self.epoch + 1}, "
+              f"{position.batches_done} batches into it)", file=sys.stderr, flush=True)  # fmt: skip
+        return position
+
+    def _load_server_state(self, batch: tuple[Any, ...]) -> None:
+        """Before the first step after a resume: join the kvstore's keys as that step would (the servers
+        get this worker's loaded values and a fresh optimizer), then restore the servers' checkpoint."""
+        directory, self._server_state_to_load = self._server_state_to_load, None
+        assert directory is not None and self.kvstore is not None
+        self._update.hooks(self._compiled(batch))  # init, set_optimizer, pull: once per captured step
+        self.kvstore.load_server_state(str(directory.resolve()))
+
+    def _save_checkpoint(self, root: str, position: _FitPosition) -> None:
+        """Write this worker's file under ``root``'s step directory and, with a server-side optimizer, the
+        servers' files (collective: every worker calls it at the same step); worker 0 then marks the
+        directory complete and deletes old ones."""
+        directory = checkpoint.step_directory(root, self.step_count)
+        atomic_save({"trainer": self.state_dict(), "fit": dataclasses.asdict(position)},
+                    checkpoint.worker_file(directory, self.rank))  # fmt: skip
+        store = self.kvstore
+        server_state = getattr(self._update, "server_optimizer", None) is not None
+        if server_state:
+            store.save_server_state(str(directory.resolve()))  # waits for every worker's file too (a barrier)
+        elif store is not None:
+            store.barrier()  # every worker's file is written before the directory counts
+        if self.rank == 0:
+            checkpoint.mark_complete(directory, {
+                "step": self.step_count, "epoch": self.epoch, "workers": self.num_workers,
+                "servers": store.num_servers if store is not None else 0, "server_state": server_state})  # fmt: skip
+            checkpoint.prune(root)
+        self._checkpointed_step = self.step_count
+
+
+@dataclass
+class _FitPosition:
+    """Where a fit is in its data, saved with each of its checkpoints."""
+
+    end_epoch: int  # the epoch the fit stops at (kept across a resume: the restarted run ends where the first would)
+    batches_done: int = 0  # batches of the current epoch already taken
+    loss_sum: float = 0.0  # over those batches, for the epoch's record
+    count: int = 0
+    samples: int = 0
+
+    def took(self, loss: float, samples: int) -> None:
+        self.batches_done += 1
+        self.loss_sum, self.count, self.samples = self.loss_sum + loss, self.count + 1, self.samples + samples
+
+
+CHECKPOINT_KEYS = ("format", "model", "optimizer", "step", "epoch", "rng")  # what Trainer.state_dict() holds
 
 
 IGNORE_INDEX = -100  # targets not counted by evaluate's accuracy (cross_entropy's default ignore_index)

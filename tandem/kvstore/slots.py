@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tandem.checkpoint import atomic_save
 from tandem.kvstore.errors import KVStoreError, RemoteError
 
 Key = int | str
@@ -206,8 +207,7 @@ class SlotTable:
             "slots": entries,
             "note": note,
         }
-        torch.save(document, target + ".tmp")
-        os.replace(target + ".tmp", target)  # never leave a half-written checkpoint behind
+        atomic_save(document, target)  # a server killed mid-save leaves the previous checkpoint whole
         return target
 
     def load(self, path: str, name: str, meta: dict[str, Any]) -> str:

@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the root package resolves its attributes lazily (importlib); env and errors import nothing of
     # tandem. torchvision_compat is library code (the models' transformers wrapper needs it) that
     # still lives under testing/, whose package is a docstring: both leaves, here
-    ("foundation", ("tandem", "tandem.env", "tandem.errors", "tandem.progress", "tandem.testing", "tandem.testing.torchvision_compat")),
+    ("foundation", ("tandem", "tandem.env", "tandem.errors", "tandem.progress", "tandem.testing", "tandem.testing.torchvision_compat",
+                    "tandem.checkpoint")),  # atomic files: the trainer and the servers write checkpoints alike
     ("trace", ("tandem.trace",)),  # the timeline the engine, the kvstore and the updates record into
     ("engine", ("tandem.engine.*",)),
     ("graph", ("tandem.graph.*",)),
