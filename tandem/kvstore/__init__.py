@@ -13,7 +13,14 @@ from typing import Any
 
 from tandem.kvstore.base import Handle, KVStore
 from tandem.kvstore.config import DistOptions, KVStoreConfig, KVStoreOptionError, P3Options
-from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, ProtocolError, RemoteError
+from tandem.kvstore.errors import (
+    KVStoreError,
+    KVStoreTimeout,
+    PeerFailure,
+    ProtocolError,
+    RemoteError,
+    RequestRefused,
+)
 from tandem.kvstore.kinds import DISTRIBUTED_KINDS, KINDS, P3_FOR, SERVERLESS_KINDS, resolve_kind
 from tandem.kvstore.local import LocalKVStore
 
@@ -93,5 +100,6 @@ def is_server() -> bool:
 
 
 __all__ = ["KINDS", "P3_FOR", "DistOptions", "Handle", "KVStore", "KVStoreConfig", "KVStoreError", "KVStoreOptionError",
-           "KVStoreTimeout", "LocalKVStore", "P3Options", "PeerFailure", "ProtocolError", "RemoteError", "create",
+           "KVStoreTimeout", "LocalKVStore", "P3Options", "PeerFailure", "ProtocolError", "RemoteError",
+           "RequestRefused", "create",
            "is_server", "resolve_kind", "serve"]  # fmt: skip

@@ -6,13 +6,14 @@ their values in a ``SlotTable``, so an update here is the same code a server run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from tandem.kvstore.base import Handle, Key, KVStore, normalize, reduce_sum
-from tandem.kvstore.errors import KVStoreError
+from tandem.kvstore.errors import KVStoreError, RemoteError, RequestRefused
 from tandem.kvstore.slots import Slot, SlotTable
 
 CHECKPOINT_NAME = "local.pt"
@@ -20,6 +21,10 @@ CHECKPOINT_NAME = "local.pt"
 
 class LocalKVStore(KVStore):
     """Operations run synchronously; the returned handles are already done (errors raise at the call).
+
+    A bad request (wrong shape or dtype, a key never initialised, a second init) raises
+    ``RequestRefused``, the same message a server would reply with, never ``RemoteError``: no server
+    is involved.
 
     Example:
         ```python
@@ -49,13 +54,15 @@ class LocalKVStore(KVStore):
 
     def _slot(self, key: Key, tensor: torch.Tensor, action: str) -> Slot:
         self._check_open()
-        return self._table.get((key, 0, tensor.numel()), tuple(tensor.shape), tensor.dtype, action)
+        with _refused_here():
+            return self._table.get((key, 0, tensor.numel()), tuple(tensor.shape), tensor.dtype, action)
 
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:
         self._check_open()
         for key, tensors in normalize(keys, values, "init"):
             shape = tuple(tensors[0].shape)
-            self._table.init((key, 0, tensors[0].numel()), shape, tensors[0])
+            with _refused_here():
+                self._table.init((key, 0, tensors[0].numel()), shape, tensors[0])
 
     def push(self, keys: Key | Sequence[Key], values: Any, priority: int = 0) -> Handle:
         for key, tensors in normalize(keys, values, "push"):
@@ -76,7 +83,8 @@ class LocalKVStore(KVStore):
 
     def set_optimizer(self, optimizer: Any) -> None:
         self._check_open()
-        self._table.set_optimizer_object(optimizer)
+        with _refused_here():
+            self._table.set_optimizer_object(optimizer)
 
     def barrier(self) -> None:
         self._check_open()
@@ -95,3 +103,13 @@ class LocalKVStore(KVStore):
     def _check_open(self) -> None:
         if self._closed:
             raise KVStoreError("this kvstore is closed; create a new one")
+
+
+@contextmanager
+def _refused_here() -> Iterator[None]:
+    """The slot table raises ``RemoteError``, which a server's loop turns into its error reply; in this
+    process the same refusal is the store's own: ``RequestRefused`` (RemoteError's base), same message."""
+    try:
+        yield
+    except RemoteError as error:
+        raise RequestRefused(str(error)) from None

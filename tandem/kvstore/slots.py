@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tandem.checkpoint import atomic_save
-from tandem.kvstore.errors import KVStoreError, RemoteError
+from tandem.kvstore.errors import KVStoreError, RemoteError, second_init
 
 Key = int | str
 SlotId = tuple[Key, int, int]  # key, start, stop
@@ -89,8 +89,27 @@ class SlotTable:
         self.optimizer_json = ""
 
     def init(self, slot_id: SlotId, shape: tuple[int, ...], value: torch.Tensor) -> None:
+        """Store ``value`` as slot ``slot_id`` of a key whose whole array has ``shape``.
+
+        A key split over servers or sliced by P3 arrives as one init per slot, each with the key's
+        shape and dtype. Refused with ``RemoteError`` (a server replies with it): the same slot
+        again, even with the same shape and dtype (init happens once: a second one would replace the
+        value every worker started from), and a slot of a key whose other slots have another shape
+        or dtype (the key would hold two values), naming the key and both shapes and dtypes.
+
+        A slot of the same key, shape and dtype with other bounds is not compared with its siblings
+        (that would cost a scan of every slot per init): placement cuts a key the same way on every
+        worker, and workers refuse a second init of a key before sending it.
+        """
+        key = slot_id[0]
+        known = self.slots.get(slot_id) or next(
+            (slot for (other, *_), slot in reversed(self.slots.items()) if other == key), None
+        )  # a key's slots arrive together: the newest slots find a sibling at once
+        if known is not None and (known.shape != shape or known.value.dtype != value.dtype):
+            raise RemoteError(second_init(key, (known.shape, known.value.dtype), (shape, value.dtype)))
         if slot_id in self.slots:
-            raise RemoteError(f"{describe(slot_id, shape)} is already initialised; init each key once")
+            raise RemoteError(f"{describe(slot_id, shape)} is already initialised as {shape} {value.dtype}; "
+                              f"init each key once")  # fmt: skip
         self._check_scope(slot_id, shape, self.optimizer)
         stored = value.detach().to("cpu").reshape(-1).clone()
         self.slots[slot_id] = Slot(shape, stored, self._new_state(stored))

@@ -36,7 +36,7 @@ from tandem.kvstore.collective.group import Group, Monitor, data_group, exit_lat
 from tandem.kvstore.collective.scheduler import Operation, Scheduler
 from tandem.kvstore.compression import COMPRESSIBLE, GradientCompression
 from tandem.kvstore.config import DistOptions, P3Options
-from tandem.kvstore.errors import KVStoreError, PeerFailure
+from tandem.kvstore.errors import KVStoreError, PeerFailure, RequestRefused, second_init
 from tandem.kvstore.ps.p3_tuner import AutoTuner, Config, start_slice_size, tuner_for
 from tandem.kvstore.ps.topology import connect_store
 
@@ -131,12 +131,14 @@ class CollectiveKVStore(KVStore):
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:
         """Collective: every worker inits the same keys, in the same order, with the same shapes and
         dtypes, and the same slice size (checked: a difference names the key and both shapes, or both
-        slice sizes); worker 0's values are stored."""
+        slice sizes); worker 0's values are stored. A key is initialised once: a second init, with
+        the same shape or another, raises ``RequestRefused`` naming the key and both shapes and dtypes."""
         self._check_usable()
         items = normalize(keys, values, "init")
-        for key, _ in items:
+        for key, tensors in items:  # a second init is refused, as by every store (errors.second_init)
             if key in self._keys:
-                raise KVStoreError(f"key {key!r} is already initialised; init each key once")
+                _, shape, dtype = self._keys[key]
+                raise RequestRefused(second_init(key, (shape, dtype), (tuple(tensors[0].shape), tensors[0].dtype)))
         # the scheduler's agreement covers every key: settle first, so no worker adds one mid-round
         self._settle()
         mine = [(repr(key), list(tensors[0].shape), str(tensors[0].dtype)) for key, tensors in items]
@@ -235,12 +237,12 @@ class CollectiveKVStore(KVStore):
     def _lookup(self, key: Key, tensor: torch.Tensor, what: str) -> int:
         known = self._keys.get(key)
         if known is None:
-            raise KVStoreError(f"{what} of key {key!r}: key was never initialised; call init first "
-                               f"(with the same keys on every worker)")  # fmt: skip
+            raise RequestRefused(f"{what} of key {key!r}: key was never initialised; call init first "
+                                 f"(with the same keys on every worker)")  # fmt: skip
         index, shape, dtype = known
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise KVStoreError(f"{what} of key {key!r}: got shape {tuple(tensor.shape)} {tensor.dtype}, but the key "
-                               f"was initialised as {shape} {dtype}")  # fmt: skip
+            raise RequestRefused(f"{what} of key {key!r}: got shape {tuple(tensor.shape)} {tensor.dtype}, but the "
+                                 f"key was initialised as {shape} {dtype}")  # fmt: skip
         return index
 
     def barrier(self) -> None:
