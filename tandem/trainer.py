@@ -303,6 +303,7 @@ class Trainer:
 
         if checkpoint_every is not None and (checkpoint_dir is None or checkpoint_every < 1):
             raise ValueError(f"checkpoint_every={checkpoint_every!r} needs a checkpoint_dir and must be >= 1 (steps)")
+        self._check_fit_data(train_data)  # no batch at all: an error naming batch and data size, before any step
         position = (self._resume(checkpoint_dir) if checkpoint_dir is not None else None) \
             or _FitPosition(end_epoch=self.epoch + epochs)  # fmt: skip
         history: list[dict[str, float]] = []
@@ -402,6 +403,30 @@ class Trainer:
         return make(data, self.config.batch_size, shuffle=train and self.config.shuffle, seed=self.config.seed,
                     epoch=self.epoch, drop_last=train and self.config.drop_last)
 
+    def _check_fit_data(self, data: Any) -> None:
+        """Refuse, before any step, data that gives ``fit`` no batch at all (it would train 0 steps and
+        report a loss of 0): an empty data set, one smaller than a batch with ``drop_last`` (this worker's
+        shard when distributed), an empty DataLoader or list. Other iterables cannot be counted ahead."""
+        if isinstance(data, Dataset) and not isinstance(data, IterableDataset):
+            size, batch_size, drop_last = len(data), self.config.batch_size, self.config.drop_last  # type: ignore[arg-type]
+            mine = len(self._update.shard(data))  # distributed: this worker's shard
+            if mine >= (batch_size if drop_last else 1):
+                return
+            where = f"; this worker's shard (of {self.num_workers}) has {mine}" if self.num_workers > 1 else ""
+            raise ValueError(f"fit has no batch to train on: the data set has {size} samples{where}, and batch_size "
+                             f"is {batch_size} with drop_last={drop_last}; lower batch_size (Trainer(batch_size=...), "
+                             f"tandem train --batch-size) or pass more data")  # fmt: skip
+        try:
+            count = len(data)
+        except TypeError:
+            return  # an iterable of unknown length (a generator, an IterableDataset's loader)
+        if count == 0:
+            loader = ""
+            if isinstance(data, torch.utils.data.DataLoader) and not isinstance(data.dataset, IterableDataset):
+                size = len(data.dataset)  # type: ignore[arg-type]
+                loader = f", batch_size {data.batch_size} of a data set of {size} samples with drop_last"
+            raise ValueError(f"fit has no batch to train on: the {type(data).__name__} given has none{loader}")
+
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs: model, optimizer settings and state, step, epoch, RNG state.
@@ -428,10 +453,20 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (``load`` reads it from a file).
+
+        Everything is checked before anything changes (``check_checkpoint_fits``): a checkpoint of
+        another format, optimizer type (SGD into an AdamW trainer), model (parameter names or shapes)
+        or optimizer state raises ``ValueError`` naming what differs, and the trainer stays as it was.
+
+        Example:
+            ```python
+            state = trainer.state_dict()
+            trainer.load_state_dict(state)           # back to that step, optimizer state and RNG
+            ```
+        """
         self.sync()
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"checkpoint format {state.get('format')} is not {CHECKPOINT_FORMAT}; "
-                             "it was written by another tandem version")
+        check_checkpoint_fits(state, self.module, self.optimizer)
         self.module.load_state_dict(state["model"])
         optimizer = state["optimizer"]
         if isinstance(self.optimizer, torch.optim.Optimizer):
@@ -439,8 +474,6 @@ class Trainer:
         else:
             self._apply.states = {n: {k: v.clone() for k, v in s.items()} for n, s in optimizer["state"].items()}
             saved = type(self.optimizer).from_config(optimizer["config"])  # every setting, not only lr
-            if type(saved) is not type(self.optimizer):
-                raise ValueError(f"the checkpoint's optimizer is {saved.name!r}, this Trainer's {self.optimizer.name!r}")
             for setting in dataclasses.fields(saved):  # type: ignore[arg-type]  # in place: whoever holds the optimizer sees them
                 setattr(self.optimizer, setting.name, getattr(saved, setting.name))
         self.step_count, self.epoch = state["step"], state["epoch"]
@@ -479,7 +512,7 @@ class Trainer:
             trainer.load("ckpt.pt")
             ```
         """
-        self.load_state_dict(torch.load(path, weights_only=True))
+        self.load_state_dict(read_checkpoint(path))
 
 
     # -- fit's checkpoint directories (tandem.checkpoint) --------------------------------------------
@@ -550,6 +583,148 @@ class _FitPosition:
 
 
 CHECKPOINT_KEYS = ("format", "model", "optimizer", "step", "epoch", "rng")  # what Trainer.state_dict() holds
+
+
+def read_checkpoint(path: str) -> dict[str, Any]:
+    """The Trainer checkpoint in file ``path`` (tensors and plain containers only: ``weights_only``).
+
+    A file that is not one (random bytes, a truncated file, a pickled object, a bare model
+    ``state_dict``) raises ``ValueError`` naming the file and what it holds instead of torch's
+    unpickling hints; a missing file raises ``FileNotFoundError``.
+
+    Example:
+        ```python
+        state = read_checkpoint("ckpt.pt")    # what Trainer.save wrote
+        trainer.load_state_dict(state)        # the same as trainer.load("ckpt.pt")
+        ```
+    """
+    try:
+        document = torch.load(path, weights_only=True)
+    except OSError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the unpickler chokes on, the file is not a checkpoint
+        # torch's own message is about weights_only and unsafe loading, which is no help here
+        raise ValueError(f"{path} is not a tandem checkpoint: torch.load cannot read it as tensors and plain "
+                         f"containers ({type(error).__name__}); Trainer.save writes one") from None  # fmt: skip
+    if not isinstance(document, Mapping) or "format" not in document:
+        raise ValueError(f"{path} is not a tandem checkpoint: it holds {_what_is(document)}, where Trainer.save "
+                         f"writes a dict of {list(CHECKPOINT_KEYS)}")  # fmt: skip
+    return dict(document)
+
+
+def check_checkpoint_fits(state: Any, module: nn.Module, optimizer: Any) -> None:
+    """Raise ``ValueError`` naming every difference between checkpoint ``state`` (``Trainer.state_dict()``)
+    and a trainer of ``module`` and ``optimizer``; nothing is changed. Checked: the format, the
+    optimizer's type (tandem.optim's by name; a torch.optim optimizer by its settings) and settings,
+    the model's entries (the first few missing, unexpected and differently shaped names), and the
+    optimizer state (parameter names, the state each parameter needs, shapes).
+
+    Example:
+        ```python
+        check_checkpoint_fits(read_checkpoint("ckpt.pt"), model, tandem.optim.AdamW(lr=1e-3))
+        # ValueError: the checkpoint does not fit this Trainer: its optimizer is 'sgd', this Trainer's 'adamw'; ...
+        ```
+    """
+    if not isinstance(state, Mapping) or "format" not in state:
+        raise ValueError(f"not a tandem checkpoint: got {_what_is(state)}, where Trainer.state_dict() gives a dict "
+                         f"of {list(CHECKPOINT_KEYS)}")  # fmt: skip
+    if state["format"] != CHECKPOINT_FORMAT:
+        raise ValueError(f"checkpoint format {state['format']} is not {CHECKPOINT_FORMAT}; "
+                         "it was written by another tandem version")
+    lacking = [key for key in CHECKPOINT_KEYS if key not in state]
+    if lacking:
+        raise ValueError(f"the checkpoint lacks {lacking}; Trainer.state_dict() writes {list(CHECKPOINT_KEYS)}")
+    params = dict(module.named_parameters())
+    problems = _model_differences(state["model"], module.state_dict()) + _optimizer_differences(
+        state["optimizer"], optimizer, params
+    )
+    if problems:
+        raise ValueError("the checkpoint does not fit this Trainer: " + "; ".join(problems)
+                         + ". Load it into a Trainer built as the saving one was (the same model and optimizer)")  # fmt: skip
+
+
+def _what_is(value: Any) -> str:
+    if isinstance(value, Mapping):
+        keys = [str(key) for key in value]
+        return f"a dict of {len(keys)} entries ({_some(keys)}; a model's state_dict? load it with module.load_state_dict)"
+    return f"a {type(value).__name__}"
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` names, quoted, and how many more."""
+    listed = ", ".join(repr(name) for name in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _model_differences(saved: Any, current: Mapping[str, torch.Tensor]) -> list[str]:
+    if not isinstance(saved, Mapping):
+        return [f"its model is {_what_is(saved)}, not a state_dict"]
+    missing = [name for name in current if name not in saved]
+    unexpected = [str(name) for name in saved if name not in current]
+    reshaped = [f"{name!r} is {tuple(saved[name].shape)} there, {tuple(value.shape)} here" for name, value in current.items()
+                if isinstance(saved.get(name), torch.Tensor) and saved[name].shape != value.shape]  # fmt: skip
+    problems = []
+    if missing:
+        problems.append(f"the model's {_some(missing)} are not in the checkpoint")
+    if unexpected:
+        problems.append(f"the checkpoint's model has {_some(unexpected)}, which this model has not")
+    if reshaped:
+        problems.append("model shapes differ: " + ", ".join(reshaped[:3]) + (f" and {len(reshaped) - 3} more" if len(reshaped) > 3 else ""))
+    return problems
+
+
+def _optimizer_differences(saved: Any, optimizer: Any, params: Mapping[str, torch.Tensor]) -> list[str]:
+    if not isinstance(saved, Mapping) or not ("torch" in saved or "config" in saved):
+        return [f"its optimizer entry is {_what_is(saved)}, not Trainer.state_dict()'s"]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if "torch" not in saved:
+            return [f"its optimizer is tandem.optim's {saved['config'].get('name')!r}, this Trainer's "
+                    f"torch.optim.{type(optimizer).__name__}"]  # fmt: skip
+        return _torch_optimizer_differences(saved["torch"], optimizer)
+    if "config" not in saved:
+        return [f"its optimizer is a torch.optim optimizer, this Trainer's tandem.optim {optimizer.name!r}"]
+    name = saved["config"].get("name") if isinstance(saved["config"], Mapping) else None
+    if name != optimizer.name:
+        return [f"its optimizer is {name!r}, this Trainer's {optimizer.name!r}"]
+    try:
+        type(optimizer).from_config(saved["config"])
+    except (TypeError, ValueError) as error:
+        return [f"its optimizer settings do not load: {error}"]
+    states = saved.get("state", {})
+    unexpected = [str(name) for name in states if name not in params]
+    problems = [f"its optimizer state is kept for {_some(unexpected)}, which this model has not"] if unexpected else []
+    for name, state in states.items():
+        if name not in params:
+            continue
+        param = params[name]
+        needed = sorted(set(optimizer.create_state(param)) - set(state))  # SGD's momentum appears at the first step
+        wrong = [f"{key} {tuple(value.shape)}" for key, value in state.items()
+                 if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape]  # fmt: skip
+        if needed or wrong:
+            problems.append(f"the optimizer state of {name!r} " + (f"lacks {needed}" if needed else "")
+                            + (" and " if needed and wrong else "")
+                            + (f"has {', '.join(wrong)} for a {tuple(param.shape)} parameter" if wrong else ""))  # fmt: skip
+            break  # one parameter says enough: the others were saved alike
+    return problems
+
+
+def _torch_optimizer_differences(saved: Any, optimizer: torch.optim.Optimizer) -> list[str]:
+    """A torch.optim state_dict against ``optimizer``: its type shows in its settings (SGD's momentum,
+    AdamW's betas), which torch's own load_state_dict takes over unchecked (and the first step then fails)."""
+    groups = optimizer.state_dict()["param_groups"]
+    theirs = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(theirs, list) or len(theirs) != len(groups):
+        count = len(theirs) if isinstance(theirs, list) else "no"
+        return [f"its torch optimizer has {count} parameter groups, this Trainer's {len(groups)}"]
+    for index, (their, ours) in enumerate(zip(theirs, groups)):
+        only_theirs, only_ours = sorted(set(their) - set(ours)), sorted(set(ours) - set(their))
+        if only_theirs or only_ours:
+            return [f"its torch optimizer has the settings {only_theirs} and lacks {only_ours} of this Trainer's "
+                    f"torch.optim.{type(optimizer).__name__}: another optimizer type"]  # fmt: skip
+        if len(their["params"]) != len(ours["params"]):
+            return [f"parameter group {index} of its torch optimizer has {len(their['params'])} parameters, "
+                    f"this Trainer's {len(ours['params'])}"]  # fmt: skip
+    return []
 
 
 IGNORE_INDEX = -100  # targets not counted by evaluate's accuracy (cross_entropy's default ignore_index)
