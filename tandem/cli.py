@@ -131,6 +131,9 @@ def train(args: argparse.Namespace) -> int:
 
         if kvstore.is_server():  # a server of the job (tandem launch runs this command in every role)
             logging.basicConfig(level=logging.INFO, format="%(message)s")
+            if args.checkpoint_dir and not os.environ.get("TANDEM_PS_CHECKPOINT_DIR"):
+                # fit's checkpoints put this server's file there: the one directory it may save into
+                os.environ["TANDEM_PS_CHECKPOINT_DIR"] = os.path.abspath(args.checkpoint_dir)
             return kvstore.serve(args.kvstore)  # until the job ends
     torch.set_num_threads(args.threads or knob("TANDEM_NUM_THREADS") or max(1, (os.cpu_count() or 1)))
     torch.manual_seed(args.seed)
@@ -144,6 +147,8 @@ def train(args: argparse.Namespace) -> int:
     for flag in ("max_train_samples", "max_eval_samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SystemExit(f"tandem train: --{flag.replace('_', '-')} must be >= 1")
+    if args.checkpoint_every is not None and (args.checkpoint_dir is None or args.checkpoint_every < 1):
+        raise SystemExit("tandem train: --checkpoint-every needs --checkpoint-dir and must be >= 1 (steps)")
     train_set, test_set = _datasets(args, config)
     train_set, test_set = _first(train_set, args.max_train_samples), _first(test_set, args.max_eval_samples)
     split = "validation" if args.data in TEXT_DATA else "test"
@@ -169,15 +174,22 @@ def train(args: argparse.Namespace) -> int:
           f"{args.epochs} epochs{where}")
     start = time.perf_counter()
     history = []
-    for _ in range(args.epochs):
-        record = _with_perplexity(trainer.fit(train_set, epochs=1, eval_data=test_set)[0], args.data)
-        history.append(record)
-        accuracy = f", {split} accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""
-        perplexity = f", {split} perplexity {record['eval_perplexity']:.2f}" if "eval_perplexity" in record else ""
-        print(f"epoch {int(record['epoch'])}: train loss {record['train_loss']:.4f}, "
-              f"{split} loss {record['eval_loss']:.4f}{accuracy}{perplexity}, "
-              f"{record['samples_per_s'] * workers:.0f} samples/s")
+    while trainer.epoch < args.epochs:  # with --checkpoint-dir, the first fit may resume a few epochs in
+        for record in trainer.fit(train_set, epochs=1, eval_data=test_set, checkpoint_dir=args.checkpoint_dir,
+                                  checkpoint_every=args.checkpoint_every):  # fmt: skip
+            record = _with_perplexity(record, args.data)
+            history.append(record)
+            accuracy = f", {split} accuracy {record['eval_accuracy']:.4f}" if "eval_accuracy" in record else ""
+            perplexity = f", {split} perplexity {record['eval_perplexity']:.2f}" if "eval_perplexity" in record else ""
+            print(f"epoch {int(record['epoch'])}: train loss {record['train_loss']:.4f}, "
+                  f"{split} loss {record['eval_loss']:.4f}{accuracy}{perplexity}, "
+                  f"{record['samples_per_s'] * workers:.0f} samples/s")
     elapsed = time.perf_counter() - start
+    if not history:  # resumed from the checkpoint written at the very end: nothing was left to train
+        print(f"tandem: nothing left to train: {args.checkpoint_dir} holds this run's last checkpoint "
+              f"(epoch {trainer.epoch} of {args.epochs})")  # fmt: skip
+        trainer.close()
+        return 0
     if args.save:
         trainer.save(args.save)
         print(f"checkpoint written to {args.save}")
@@ -422,6 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights and the data order")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: TANDEM_NUM_THREADS, else all cores)")
     p.add_argument("--save", default=None, help="write a checkpoint here at the end (none when unset)")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write checkpoints into DIR/step-NNNNNN/ and, when DIR holds one, resume from the newest "
+                   "(a restarted job: tandem launch --max-restarts; docs/distributed.md)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                   help="steps between checkpoints (unset: at the end of every epoch); needs --checkpoint-dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_step_options(p)
     p.set_defaults(handler=train)

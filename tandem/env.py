@@ -64,6 +64,9 @@ _declare("TANDEM_PS_COALESCE_BYTES", int, 256 * 1024,
 _declare("TANDEM_PS_TIMEOUT", float, 10.0, "seconds without a heartbeat before a peer is declared dead")
 _declare("TANDEM_PS_WAIT_TIMEOUT", float, 300.0, "seconds a kvstore wait (pull, barrier, init) may block before it raises")
 _declare("TANDEM_PS_SECRET", str, "", "shared secret; when set, peers must present it")
+_declare("TANDEM_RESTART_ATTEMPT", int, 0,
+         "which start of the job this is (`tandem launch --max-restarts` sets it: 0, then 1, ...); "
+         "names the rendezvous keys so that a restarted job never reads the last one's")
 _declare("TANDEM_NUM_THREADS", int, 0, "torch threads per process in multi-process runs (0: cores / processes)")
 
 

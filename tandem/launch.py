@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run every process in its own network namespace, its link shaped to RATE both ways (e.g. 100mbit; "
         "'none': no shaping); needs root and iproute2, else falls back to loopback with a warning (unset: loopback)",
     )
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, metavar="N",
+        help="when a process dies, stop the others and start the whole job again, up to N times (the script "
+        "resumes from its checkpoint: Trainer.fit(checkpoint_dir=...)); 0: fail fast",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every process runs")
 
 
@@ -83,6 +88,8 @@ def _validate(args: argparse.Namespace) -> list[str]:
         )
     if args.grace < 0:
         raise SystemExit(f"{PREFIX} --grace must be >= 0, got {args.grace}")
+    if args.max_restarts < 0:
+        raise SystemExit(f"{PREFIX} --max-restarts must be >= 0, got {args.max_restarts}")
     for item in args.env:
         if "=" not in item or item.startswith("="):
             raise SystemExit(f"{PREFIX} --env takes NAME=VALUE, got {item!r}")
@@ -163,8 +170,11 @@ def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code  # shell convention for "killed by signal N"
 
 
-def _supervise(children: list[_Child], grace: float, server_wait: float, lock: threading.Lock) -> int:
-    """Wait for the job: the first failure stops everything; workers all done means success."""
+def _supervise(children: list[_Child], grace: float, server_wait: float, lock: threading.Lock,
+               attempt: str = "") -> tuple[int, bool]:  # fmt: skip
+    """Wait for the job: the first failure stops everything; workers all done means success. Returns the
+    exit code and whether a process died (which a restart may cure; servers that outlive the workers it
+    would not). ``attempt`` ("attempt 2 of 3: ") starts what is said about a death."""
     workers = [child for child in children if child.role == "worker"]
     workers_done_at: float | None = None
     while True:
@@ -172,20 +182,48 @@ def _supervise(children: list[_Child], grace: float, server_wait: float, lock: t
             code = child.process.poll()
             if code is not None and code != 0:
                 others = sum(1 for other in children if other is not child and other.process.poll() is None)
-                _say(lock, f"{_describe_exit(child, code)}; stopping the other {others} process(es)")
+                _say(lock, f"{attempt}{_describe_exit(child, code)}; stopping the other {others} process(es)")
                 _stop(children, grace)
-                return _exit_code(code)
+                return _exit_code(code), True
         if workers_done_at is None and all(worker.process.poll() == 0 for worker in workers):
             workers_done_at = time.monotonic()
         if all(child.process.poll() is not None for child in children):
-            return 0
+            return 0, False
         if workers_done_at is not None and time.monotonic() - workers_done_at > server_wait:
             _say(
                 lock, f"servers still running {server_wait:.0f} s after every worker finished; stopping them"
             )
             _stop(children, grace)
-            return 1
+            return 1, False
         time.sleep(POLL_SECONDS)
+
+
+def _run_attempts(args: argparse.Namespace, command: list[str], env: dict[str, str], hosts: list[Any],
+                  lock: threading.Lock, children: list[_Child]) -> int:  # fmt: skip
+    """Start every process and supervise them; after a death, start them all again while ``--max-restarts``
+    allows. ``children`` holds the current attempt's processes (what an interrupt stops).
+
+    Each attempt's processes get ``TANDEM_RESTART_ATTEMPT`` (0, 1, ...): they name their rendezvous keys
+    with it, so that none reads what the last attempt left in the store (its dead servers' endpoints)."""
+    attempts = args.max_restarts + 1
+    for attempt in range(attempts):
+        label = f"attempt {attempt + 1} of {attempts}: " if attempts > 1 else ""
+        attempt_env = {**env, "TANDEM_RESTART_ATTEMPT": str(attempt)}
+        children.clear()  # the last attempt's processes are all stopped
+        for rank in range(args.num_servers):
+            children.append(_start("server", rank, command, attempt_env, lock, hosts[rank]))
+        for rank in range(args.num_workers):
+            children.append(_start("worker", rank, command, attempt_env, lock, hosts[args.num_servers + rank]))
+        code, died = _supervise(children, args.grace, server_wait=knob("TANDEM_PS_TIMEOUT") + args.grace, lock=lock,
+                                attempt=label)  # fmt: skip
+        if code == 0 or not died:
+            return code
+        if attempt + 1 < attempts:
+            _say(lock, f"restarting every process (attempt {attempt + 2} of {attempts}); the job resumes from "
+                       f"its last checkpoint")  # fmt: skip
+        elif attempts > 1:
+            _say(lock, f"giving up: all {attempts} attempts failed (--max-restarts {args.max_restarts})")
+    return code
 
 
 def _say(lock: threading.Lock, text: str) -> None:
@@ -220,11 +258,7 @@ def run(args: argparse.Namespace) -> int:
     children: list[_Child] = []
     previous = _stop_on_sigterm()
     try:
-        for rank in range(args.num_servers):
-            children.append(_start("server", rank, command, env, lock, hosts[rank]))
-        for rank in range(args.num_workers):
-            children.append(_start("worker", rank, command, env, lock, hosts[args.num_servers + rank]))
-        return _supervise(children, args.grace, server_wait=knob("TANDEM_PS_TIMEOUT") + args.grace, lock=lock)
+        return _run_attempts(args, command, env, hosts, lock, children)
     except KeyboardInterrupt:
         _say(lock, "interrupted; stopping every process")
         _stop(children, args.grace)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -97,3 +99,30 @@ def kill_mid_training(
     finally:
         for process in processes.values():
             process.kill()
+
+
+class Lines:
+    """Collects a process's output lines in a thread so the test can wait for a marker."""
+
+    def __init__(self, stream: object) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: object) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            time.sleep(0.05)
+        raise AssertionError(f"no line matched {pattern!r}:\n" + "\n".join(self.lines))
+
+    def text(self) -> str:
+        self._thread.join(timeout=5)
+        return "\n".join(self.lines)

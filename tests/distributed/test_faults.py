@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from tests.distributed.jobs import (
     FAST_FAULTS,
     REPO,
+    Lines,
     job_env,
     kill_mid_training,
     launch_command,
@@ -28,33 +28,6 @@ from tests.distributed.jobs import (
 )
 
 DEADLINE = 30.0
-
-
-class _Lines:
-    """Collects a process's output lines in a thread so the test can wait for a marker."""
-
-    def __init__(self, stream: object) -> None:
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: object) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                match = re.search(pattern, line)
-                if match:
-                    return match
-            time.sleep(0.05)
-        raise AssertionError(f"no line matched {pattern!r}:\n" + "\n".join(self.lines))
-
-    def text(self) -> str:
-        self._thread.join(timeout=5)
-        return "\n".join(self.lines)
 
 
 def _gone(pid: int) -> bool:
@@ -71,7 +44,7 @@ def test_launcher_stops_the_job_when_a_process_dies(victim: str) -> None:
     launcher = subprocess.Popen(
         command, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    output = _Lines(launcher.stdout)
+    output = Lines(launcher.stdout)
     try:
         pids = {name: int(output.wait_for(rf"\[{name}\] {name} pid (\d+)").group(1))
                 for name in ("server 0", "server 1", "worker 0", "worker 1")}  # fmt: skip

@@ -10,15 +10,18 @@
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from tests.distributed.jobs import REPO, SCRIPTS, job_env
+from tests.distributed.jobs import FAST_FAULTS, REPO, SCRIPTS, Lines, job_env, launch_command, run_job
 
 
 def test_a_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
@@ -41,3 +44,81 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path: Pa
     state = torch.load(path, weights_only=True)  # the previous checkpoint: complete, every value the same save's
     number = float(state["model"]["weight"][0, 0])
     assert number >= 1 and bool((state["model"]["weight"] == number).all()) and bool((state["model"]["bias"] == number).all())
+
+
+RESTART_ENV = {**FAST_FAULTS, "TANDEM_NUM_THREADS": "1"}
+STEPS = 32  # 2 epochs of 16 steps; a checkpoint every 5
+
+
+def _final(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(tmp_path / f"{name}.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The parameters of the job never interrupted (with the same checkpoints on the way)."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    result = run_job("restart_train.py", 2, 1, str(tmp_path / "ckpt"), str(tmp_path / "final.pt"), "0",
+                     env={**RESTART_ENV, "TANDEM_PS_CHECKPOINT_DIR": str(tmp_path)})  # fmt: skip
+    assert result.stdout.count(f"finished at step {STEPS}") == 2, result.stdout
+    return _final(tmp_path, "final")
+
+
+def _kill_once_checkpointed(output: Lines, process: subprocess.Popen[str], victim: str, directory: Path) -> int:
+    """SIGKILL ``victim`` (as it printed its pid) once the checkpoint after step 10 is complete; its pid."""
+    pid = int(output.wait_for(rf"{victim} pid (\d+)").group(1))
+    deadline = time.monotonic() + 90
+    while not (directory / "step-000010" / "COMPLETE").exists():
+        assert time.monotonic() < deadline and process.poll() is None, output.text()
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.parametrize("victim", ["worker 1", "server 0"])
+def test_launch_restarts_the_job_and_it_resumes_exactly(
+    tmp_path: Path, victim: str, uninterrupted: dict[str, torch.Tensor]
+) -> None:
+    command = launch_command("restart_train.py", 2, 1, str(tmp_path / "ckpt"), str(tmp_path / "final.pt"), "0.003",
+                             env={**RESTART_ENV, "TANDEM_PS_CHECKPOINT_DIR": str(tmp_path)})  # fmt: skip
+    command.insert(command.index("--"), "--max-restarts=2")
+    job = subprocess.Popen(command, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = Lines(job.stdout)
+    try:
+        pid = _kill_once_checkpointed(output, job, victim, tmp_path / "ckpt")
+        code = job.wait(timeout=120)
+    finally:
+        job.kill()
+    text = output.text()
+    assert code == 0, text
+    assert f"attempt 1 of 3: {victim} (pid {pid}) was killed by SIGKILL" in text, text
+    assert "restarting every process (attempt 2 of 3)" in text, text
+    resumed = re.findall(r"worker (\d) resumes from \S+step-(\d+) ", text)
+    assert sorted(rank for rank, _ in resumed) == ["0", "1"] and len({step for _, step in resumed}) == 1, text
+    assert int(resumed[0][1]) >= 10 and text.count(f"finished at step {STEPS}") == 2, text
+    final = _final(tmp_path, "final")
+    for name, expected in uninterrupted.items():
+        torch.testing.assert_close(final[name], expected, msg=lambda m, name=name: f"{name}: {m}\n{text}")
+
+
+def test_torchrun_restarts_the_job_and_it_resumes_exactly(tmp_path: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """torchrun keeps its store across restarts: the restarted servers publish under keys of their own
+    (TORCHELASTIC_RESTART_COUNT), so the workers never dial the dead ones."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "--max-restarts",
+               "2", "--monitor-interval", "0.1", str(SCRIPTS / "restart_train.py"), str(tmp_path / "ckpt"),
+               str(tmp_path / "final.pt"), "0.003"]  # fmt: skip
+    env = job_env(**RESTART_ENV, TANDEM_NUM_SERVERS="1", TANDEM_PS_CHECKPOINT_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = Lines(job.stdout)
+    try:
+        _kill_once_checkpointed(output, job, "worker 1", tmp_path / "ckpt")
+        code = job.wait(timeout=120)
+    finally:
+        job.kill()
+    text = output.text()
+    assert code == 0, text
+    resumed = re.findall(r"worker (\d) resumes from \S+step-(\d+) ", text)
+    assert sorted(rank for rank, _ in resumed) == ["0", "1"] and int(resumed[0][1]) >= 10, text
+    final = _final(tmp_path, "final")
+    for name, expected in uninterrupted.items():
+        torch.testing.assert_close(final[name], expected, msg=lambda m, name=name: f"{name}: {m}\n{text}")

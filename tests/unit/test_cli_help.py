@@ -58,7 +58,8 @@ TRAINER_OPTIONS = {"batch_size": "batch_size", "seed": "seed", "clip_grad_norm":
 # Options that are no config field as such: the run's own, or a field under another form (--update-on
 # servers|workers is update_on_kvstore, --no-progress is progress=False).
 CLI_ONLY = {"help", "model", "data", "epochs", "optimizer", "lr", "momentum", "weight_decay", "update_on", "out",
-            "samples", "max_train_samples", "max_eval_samples", "model_arg", "threads", "save", "no_progress"}  # fmt: skip
+            "samples", "max_train_samples", "max_eval_samples", "model_arg", "threads", "save", "no_progress",
+            "checkpoint_dir", "checkpoint_every"}  # fmt: skip
 
 
 def _train_actions() -> dict[str, argparse.Action]:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from tandem.env import is_set, knob
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure
+from tandem.kvstore.ps.topology import restart_count
 
 POLL_SECONDS = 0.02  # how often a wait in the store looks whether it is over, or the job ended
 EXIT_GRACE_SECONDS = 3.0  # a worker whose job failed exits this long after, if its main thread did not first
@@ -55,7 +56,7 @@ class Group:
     master_addr: str
     master_port: int
     local_processes: int  # processes sharing this machine's cores
-    incarnation: str = "0"  # torchrun's restart count: a restarted job meets in a store that saw the last one
+    incarnation: str = "0.0"  # ps.topology.restart_count(): a restarted job meets in a store that saw the last one
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -70,12 +71,12 @@ class Group:
                                    "-s 0` (this process was started as a server)")  # fmt: skip
             workers = knob("TANDEM_NUM_WORKERS")
             return cls(knob("TANDEM_RANK"), workers, knob("TANDEM_MASTER_ADDR"), knob("TANDEM_MASTER_PORT"),
-                       workers + knob("TANDEM_NUM_SERVERS"))  # fmt: skip
+                       workers + knob("TANDEM_NUM_SERVERS"), restart_count())  # fmt: skip
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             world = int(os.environ["WORLD_SIZE"])
             return cls(int(os.environ["RANK"]), world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                        int(os.environ.get("MASTER_PORT", "29500")), int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                       os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # fmt: skip
+                       restart_count())  # fmt: skip
         raise KVStoreError("the collective kvstore needs a job: start the script with `tandem launch -n WORKERS -s 0 "
                            "-- python script.py` or under torchrun")  # fmt: skip
 

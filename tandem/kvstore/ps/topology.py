@@ -24,7 +24,17 @@ import torch.distributed as dist
 from tandem.env import is_set, knob
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout
 
-STORE_PREFIX = "tandem/kvstore/"
+
+def restart_count() -> str:
+    """Which start of the job this process belongs to: ``tandem launch --max-restarts``' attempt
+    (``TANDEM_RESTART_ATTEMPT``) and torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``), e.g. "1.0".
+
+    Both launchers keep their rendezvous store across restarts, so every key a job sets is named
+    with this: a restarted job must never read the last one's keys (a dead server's endpoint)."""
+    return f"{knob('TANDEM_RESTART_ATTEMPT')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+STORE_PREFIX = "tandem/kvstore/" if restart_count() == "0.0" else f"tandem/kvstore/restart-{restart_count()}/"
 
 
 @dataclass(frozen=True)
