@@ -117,11 +117,12 @@ def train(args: argparse.Namespace) -> int:
 
     from tandem import models
     from tandem.env import knob
-    from tandem.step import StepConfig
-    from tandem.trainer import Trainer
+    from tandem.trainer import Trainer, TrainerConfig
 
-    try:  # a bad --mirror / --bulk-fwd is refused before anything starts, without a traceback
-        StepConfig(**{name: getattr(args, name) for name in step_option_names()})
+    step_options = {name: getattr(args, name) for name in step_option_names()}  # defaults are StepConfig's
+    exchange = _exchange_options(args)
+    try:  # a bad --mirror / --bulk-fwd, or --kvstore dist_async --update-on workers, is refused before anything
+        TrainerConfig.from_options({**step_options, **exchange})  # starts (in every role), without a traceback
     except (TypeError, ValueError) as error:
         raise SystemExit(f"tandem train: {error}") from None
     from tandem.kvstore.kinds import SERVERLESS_KINDS
@@ -157,13 +158,7 @@ def train(args: argparse.Namespace) -> int:
         raise SystemExit(f"--batch-size {args.batch_size} is the global batch: it must divide by the {workers} workers")
     options: dict[str, Any] = {"batch_size": args.batch_size // workers, "seed": args.seed,
                                "progress": not args.no_progress}
-    options.update({name: getattr(args, name) for name in step_option_names()})  # defaults are StepConfig's
-    for name in ("kvstore", "clip_grad_norm", "communication", "gradient_compression"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-    if args.update_on is not None:
-        options["update_on_kvstore"] = args.update_on == "servers"
-    trainer = Trainer(module, entry.loss_fn, _optimizer(args), **options)
+    trainer = Trainer(module, entry.loss_fn, _optimizer(args), **options, **step_options, **exchange)
     rank = trainer.rank
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -209,6 +204,16 @@ def train(args: argparse.Namespace) -> int:
     print(f"tandem: outputs: history and plot {plot}"
           + (f", trace {trace_path.replace('{pid}', str(os.getpid()))} (open in ui.perfetto.dev)" if trace_path else ""))
     return 0
+
+
+def _exchange_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Trainer options of how gradients are exchanged (kvstore, communication, update location, ...)
+    that ``tandem train``'s command line sets; unset ones are left to the Trainer's defaults."""
+    names = ("kvstore", "clip_grad_norm", "communication", "gradient_compression")
+    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.update_on is not None:
+        options["update_on_kvstore"] = args.update_on == "servers"
+    return options
 
 
 def _plot_history(history: list[dict[str, float]], path: Path, title: str, split: str = "test") -> Path:
@@ -422,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compress pushed gradients with a distributed kvstore: 2bit (threshold 0.5), 2bit:0.1, "
                         "fp16 or bf16, with error feedback (off when unset)")
     p.add_argument("--update-on", default=None, choices=["servers", "workers"],
-                   help="with a distributed kvstore: where the optimizer runs (unset: servers)")
+                   help="with a distributed kvstore: where the optimizer runs (unset: servers; the async kinds "
+                        "refuse workers: their servers do not sum the workers' gradients)")
     p.add_argument("--out", default="runs/latest", help="directory for history.json and the training plot")
     p.add_argument("--samples", type=int, default=4096, help="size of synthetic data sets")
     p.add_argument("--max-train-samples", type=int, default=None, metavar="N",

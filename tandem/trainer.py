@@ -62,7 +62,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         from tandem.kvstore.kinds import KINDS
-        from tandem.update import MODES
+        from tandem.update import MODES, check_combination
 
         if isinstance(self.kvstore, KVStoreConfig):
             if self.kvstore_options:
@@ -80,6 +80,7 @@ class TrainerConfig:
             self.step = dataclasses.replace(self.step, bulk_fwd=caps.forward, bulk_bwd=caps.backward)
         if self.communication not in ("auto", *MODES):
             raise ValueError(f"unknown communication {self.communication!r}; choose one of {['auto', *MODES]}")
+        check_combination(self.store, self.communication, self.update_on_kvstore)  # e.g. no async update on workers
         if GradientCompression.parse(self.gradient_compression).enabled and not self.store.distributed:
             raise ValueError(f"gradient_compression={self.gradient_compression!r} needs a distributed kvstore "
                              f"(kvstore='dist_p3' under tandem launch); training alone sends no gradients")  # fmt: skip
@@ -114,7 +115,8 @@ class Trainer:
       to train data-parallel under ``tandem launch`` or torchrun (or a ``tandem.kvstore.KVStoreConfig``);
     - ``kvstore_options`` (None): the kind's ``tandem.kvstore.create`` options, e.g. ``{"slice_size": "auto"}``;
       checked here, at ``Trainer(...)``, naming the valid ones (unset ones take their TANDEM_* knobs);
-    - ``update_on_kvstore`` (True): the servers run the optimizer; False: they sum gradients, each worker updates;
+    - ``update_on_kvstore`` (True): the servers run the optimizer; False: they sum gradients, each worker updates
+      (refused on the asynchronous kinds, whose servers do not sum: see ``tandem.update.check_combination``);
     - ``communication`` ("auto"): ``"baseline"``, ``"overlap"`` or ``"p3"`` (auto: p3 on the P3 kinds, else overlap);
     - ``gradient_compression`` (None): ``"fp16"``, ``"bf16"``, ``"2bit"`` or ``{"type": "2bit", "threshold": 0.5}``.
 

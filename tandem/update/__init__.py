@@ -9,7 +9,8 @@ parameters and an apply function (``OptimizerApply``: the fused optimizer update
 from __future__ import annotations
 
 from tandem.update.base import Apply, OptimizerApply, Update
-from tandem.update.distributed import MODES, DistributedUpdate, resolve_mode
+from tandem.update.distributed import MODES, DistributedUpdate, check_combination, resolve_mode
 from tandem.update.local import LocalUpdate
 
-__all__ = ["MODES", "Apply", "DistributedUpdate", "LocalUpdate", "OptimizerApply", "Update", "resolve_mode"]
+__all__ = ["MODES", "Apply", "DistributedUpdate", "LocalUpdate", "OptimizerApply", "Update", "check_combination",
+           "resolve_mode"]

@@ -52,6 +52,41 @@ def resolve_mode(communication: str, kind: str) -> str:
     return mode
 
 
+def check_combination(store: kvstore.KVStoreConfig, communication: str, update_on_kvstore: bool) -> None:
+    """Refuse, with the reason and the fix, a kvstore kind, communication mode and update location that
+    would not train correctly; called by ``TrainerConfig``, so at ``Trainer(...)``, before any job is joined.
+
+    Every other combination trains (docs/distributed.md#which-combinations-train, tested by
+    tests/unit/test_combinations.py): training alone (``local``), both settings have no effect; on
+    ``collective`` the optimizer always runs on the workers (there are no servers). Refused:
+
+    - ``communication="p3"`` on a kind that does not slice (``dist_sync``, ``dist_async`` without
+      ``tandem launch --p3``): ``resolve_mode``'s error;
+    - ``update_on_kvstore=False`` on an asynchronous kind (``dist_async``, ``dist_p3_async``): its servers
+      store each push as it arrives, so a worker's pushpull returns the gradient it just sent, never
+      the sum over the workers, and every worker would train on its own gradients alone (MXNet refuses it too).
+
+    Example:
+        ```python
+        store = tandem.kvstore.KVStoreConfig.resolve("dist_async")
+        check_combination(store, "auto", update_on_kvstore=True)    # fine: the servers run the optimizer
+        check_combination(store, "auto", update_on_kvstore=False)   # ValueError: ... keep update_on_kvstore=True
+        ```
+    """
+    if not store.distributed:
+        return  # nothing is sent: the update runs here whatever the settings say
+    resolve_mode(communication, store.kind)
+    if store.dist is not None and not store.dist.sync and not update_on_kvstore:
+        raise ValueError(
+            f"kvstore={store.kind!r} with update_on_kvstore=False (tandem train --update-on workers) would train "
+            f"every worker on its own gradients only: an asynchronous server stores each push as it arrives, so "
+            f"a pushpull returns the gradient this worker just sent, never the sum over the workers, and the "
+            f"replicas drift apart. Keep update_on_kvstore=True (the default; --update-on servers: the servers "
+            f"run the optimizer), or update on the workers with a synchronous kind ('dist_sync', 'dist_p3', "
+            f"'collective')"
+        )
+
+
 class DistributedUpdate(Update):
     """Sends a step's gradients to a distributed kvstore and writes the replies into the parameters.
     Driven by the training thread; the gradient hook and the writes run on the engine's.
@@ -82,6 +117,7 @@ class DistributedUpdate(Update):
         resolved ``kvstore.KVStoreConfig``). A ``collective`` job has no servers: the optimizer runs here
         whatever ``update_on_kvstore`` says."""
         config = kvstore.KVStoreConfig.of(kind)
+        check_combination(config, communication, update_on_kvstore)  # Trainer(...) checked it already: other callers
         mode = resolve_mode(communication, config.kind)
         if config.kind in SERVERLESS_KINDS:
             update_on_kvstore = False  # no servers: every worker updates with the summed gradients

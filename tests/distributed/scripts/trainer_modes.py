@@ -4,7 +4,8 @@ Usage: trainer_modes.py KIND MODE UPDATE_ON_KVSTORE OUT_DIR STEPS MODEL
 (MODE ``p3-<timing>``: p3 at that send timing (``after``, ``serial``: gradients held until backward
 ends, as the tuner may choose); ``p3-auto``: the tuner at work, switching often, so the slots move
 between slicings, and the send timing changes, while training)
-Writes OUT_DIR/rank{r}.pt with the final parameters and OUT_DIR/report{r}.txt with the step report.
+Writes OUT_DIR/rank{r}.pt with the final parameters and OUT_DIR/report{r}.txt with the step report;
+prints the first and the last step's loss (of this worker's rows).
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ elif timing:
     trainer.kvstore.send_timing = timing  # type: ignore[union-attr]
 rank, workers = trainer.rank, trainer.num_workers
 rows = slice(rank * 8 // workers, (rank + 1) * 8 // workers)
-for _ in range(int(steps)):
-    trainer.step(*(t[rows] for t in batch))
+losses = [trainer.step(*(t[rows] for t in batch)) for _ in range(int(steps))]
 trainer.close()
 torch.save(dict(module.named_parameters()), Path(out) / f"rank{rank}.pt")
 report = trainer.train_step.executor.last_report
 Path(out, f"report{rank}.txt").write_text(f"{report.num_segments} {len(report.gradient_ready_s)}")
 slicings = [config.slice_size for config, _ in tuner.history] if timing == "auto" else []
 backend = trainer.train_step.compile_report()["backend"]
-print(f"trainer_modes OK rank {rank} mode {mode} backend {backend} slicings {','.join(map(str, slicings))}")
+print(f"trainer_modes OK rank {rank} mode {mode} backend {backend} loss {losses[0]:.6f} -> {losses[-1]:.6f} "
+      f"slicings {','.join(map(str, slicings))}")  # slicings last: test_trainer_dist reads the rest of the line
