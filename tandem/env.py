@@ -63,7 +63,18 @@ _declare("TANDEM_PS_COALESCE_BYTES", int, 256 * 1024,
          "up to this many payload bytes (0: every request its own message)")
 _declare("TANDEM_PS_TIMEOUT", float, 10.0, "seconds without a heartbeat before a peer is declared dead")
 _declare("TANDEM_PS_WAIT_TIMEOUT", float, 300.0, "seconds a kvstore wait (pull, barrier, init) may block before it raises")
-_declare("TANDEM_PS_SECRET", str, "", "shared secret; when set, peers must present it")
+_declare("TANDEM_PS_SECRET", str, "",
+         "shared secret: every message is tagged with keys derived from it, and unsigned or replayed ones are "
+         "dropped (`tandem launch` makes one per job when unset)")
+_declare("TANDEM_PS_MAX_FRAME_BYTES", int, 64 * 2**20,
+         "largest frame a kvstore socket accepts (bigger: the sender is dropped before the frame is buffered); "
+         "slots are cut to fit it")
+_declare("TANDEM_PS_CHECKPOINT_DIR", str, "",
+         "directory a server's SAVE/LOAD stay inside (unset: the server's working directory)")
+_declare("TANDEM_PS_CURVE_SERVER_KEY", str, "", "CURVE: the servers' public key (Z85; `tandem launch --curve` sets it)")
+_declare("TANDEM_PS_CURVE_SERVER_SECRET_KEY", str, "", "CURVE: the servers' secret key (servers only)")
+_declare("TANDEM_PS_CURVE_WORKER_KEY", str, "", "CURVE: the workers' public key")
+_declare("TANDEM_PS_CURVE_WORKER_SECRET_KEY", str, "", "CURVE: the workers' secret key (workers only)")
 _declare("TANDEM_RESTART_ATTEMPT", int, 0,
          "which start of the job this is (`tandem launch --max-restarts` sets it: 0, then 1, ...); "
          "names the rendezvous keys so that a restarted job never reads the last one's")

@@ -56,6 +56,7 @@ class DistOptions:
     timeout: float  # seconds without a heartbeat before a peer is declared dead
     secret: str  # shared secret peers must present ("" for none)
     bind_addr: str  # address servers bind to
+    max_frame_bytes: int = 64 * 2**20  # a peer sending a bigger frame is dropped before it is buffered
     rendezvous_timeout: float = 120.0  # how long processes wait for each other to start
     exit_on_failure: bool = True  # hard-exit a worker whose job died even if it never waits again
 
@@ -63,6 +64,9 @@ class DistOptions:
         if self.kind not in ROUNDS:
             raise KVStoreOptionError(f"unknown distributed kvstore kind {self.kind!r}; choose one of {ROUNDS}")
         _check_type("bigarray_bound", self.bigarray_bound, (int,), "an int >= 1 (TANDEM_KVSTORE_BIGARRAY_BOUND)")
+        _check_type("max_frame_bytes", self.max_frame_bytes, (int,), "an int >= 1 MiB (TANDEM_PS_MAX_FRAME_BYTES)")
+        if self.max_frame_bytes < 2**20:
+            raise KVStoreOptionError(f"max_frame_bytes must be >= 1 MiB (control messages need room), got {self.max_frame_bytes}")
         for name in ("heartbeat", "timeout", "rendezvous_timeout"):
             _check_type(name, getattr(self, name), (int, float), "a number of seconds")
         for name in ("secret", "bind_addr"):
@@ -96,6 +100,7 @@ class DistOptions:
             "timeout": knob("TANDEM_PS_TIMEOUT"),
             "secret": knob("TANDEM_PS_SECRET"),
             "bind_addr": knob("TANDEM_BIND_ADDR"),
+            "max_frame_bytes": knob("TANDEM_PS_MAX_FRAME_BYTES"),
         }
         values.update(overrides)
         return cls(kind=kind, **values)

@@ -39,9 +39,10 @@ def test_two_workers_on_half_batches_equal_one_process_on_the_whole() -> None:
 
 
 def test_restored_servers_continue_the_same_trajectory(tmp_path: Path) -> None:
-    run_job("checkpoint.py", 2, 2, "first", str(tmp_path), env=BOUND)
+    env = {**BOUND, "TANDEM_PS_CHECKPOINT_DIR": str(tmp_path)}  # where servers may write
+    run_job("checkpoint.py", 2, 2, "first", str(tmp_path), env=env)
     assert sorted(path.name for path in tmp_path.glob("server-*")) == ["server-0-of-2.pt", "server-1-of-2.pt"]
-    result = run_job("checkpoint.py", 2, 2, "resume", str(tmp_path), env=BOUND)
+    result = run_job("checkpoint.py", 2, 2, "resume", str(tmp_path), env=env)
     assert len(worker_lines(result.stdout, "checkpoint OK")) == 2, result.stdout
 
 

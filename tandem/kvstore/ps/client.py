@@ -38,13 +38,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import zmq
 
 from tandem.env import knob
 from tandem.kvstore.config import DistOptions
-from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, RemoteError
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, PeerFailure, ProtocolError, RemoteError
+from tandem.kvstore.ps.auth import new_nonce
+from tandem.kvstore.ps.curve import CurveKeys
 from tandem.kvstore.ps.protocol import MAX_BATCH_ENTRIES, Command, Header, Message, Role
 from tandem.kvstore.ps.topology import ServerAddress
 from tandem.kvstore.ps.transport import Incoming, WorkerTransport, payload_size
@@ -92,14 +95,15 @@ class Client:
     ) -> None:
         self.addresses, self.rank, self.options = addresses, rank, options
         self.transport = WorkerTransport(options.secret_bytes, [address.endpoint for address in addresses],
-                                         identity=f"worker-{rank}".encode(), send_timeout=options.timeout)  # fmt: skip
+                                         options.timeout, options.max_frame_bytes, CurveKeys.from_env("worker"))  # fmt: skip
         self._pending: dict[int, _Request] = {}
         self._lock = threading.Lock()  # guards _pending and _failure
         self._ids = itertools.count(1)
         self._unanswered: list[Sequence[Any]] = []  # payloads of requests failed unanswered: alive until close
         self._failure: PeerFailure | None = None
         self._last_heard = [time.monotonic()] * len(addresses)
-        self._hello_payload = [memoryview(json.dumps(hello).encode())]
+        self._nonce = new_nonce()  # the server's signed answer must echo it: an old answer cannot complete this hello
+        self._hello_payload = [memoryview(json.dumps({**hello, "nonce": self._nonce.hex()}).encode())]
         self._hello = _Rendezvous(len(addresses))
         self._goodbye = _Rendezvous(len(addresses))
         self._closing = threading.Event()
@@ -124,9 +128,11 @@ class Client:
     def connect(self) -> None:
         """Block until every server accepted our hello (or raise, naming the problem)."""
         if not self._hello.done.wait(self.options.rendezvous_timeout):
+            secured = " with the same TANDEM_PS_SECRET" if self.options.secret else ""
             raise KVStoreTimeout(
                 f"worker {self.rank}: no answer to hello from {self._hello.remaining} server(s) within "
-                f"{self.options.rendezvous_timeout:.0f} s; do all processes use the same TANDEM_PS_SECRET?"
+                f"{self.options.rendezvous_timeout:.0f} s; are the servers of this job running{secured} (and, with "
+                f"CURVE, the same keys)? The servers' logs name what they rejected"
             )
         if self._hello.error is not None:
             raise self._hello.error
@@ -388,9 +394,25 @@ class Client:
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.options.heartbeat
 
+    def _hello_answered(self, server: int, message: Message) -> None:
+        """A server accepted our hello: with a secret, everything after it travels under a session of
+        both nonces (the answer is signed with the secret and must echo our nonce)."""
+        if self.options.secret:
+            try:
+                answer = json.loads(message_text(message))
+                if answer.get("worker_nonce") != self._nonce.hex():
+                    raise ProtocolError("the answer to hello echoes another nonce (a replayed answer)")
+                self.transport.open_session(server, self._nonce, bytes.fromhex(answer["nonce"]), self.rank)
+            except (ValueError, KeyError, TypeError, AttributeError, ProtocolError) as error:
+                self._hello.fail(KVStoreError(f"server {server} ({self.addresses[server]}) answered hello "
+                                              f"wrongly: {error}"))  # fmt: skip
+                return
+        self._hello.reply(message)
+
     def _send_to_all(self, command: Command, rendezvous: _Rendezvous, payloads: list[memoryview]) -> None:
         for server in range(len(self.addresses)):
-            request_id = self._register(_Request(server, rendezvous.reply, rendezvous.fail))
+            on_reply = partial(self._hello_answered, server) if command is Command.HELLO else rendezvous.reply
+            request_id = self._register(_Request(server, on_reply, rendezvous.fail))
             self.transport.send(server, Header(command, request_id, Role.WORKER, self.rank), payloads)
 
     def _heartbeat(self) -> None:

@@ -62,22 +62,32 @@ class RangePlacement:
     """ps-lite's default: small arrays go whole to one server, big ones split evenly over all.
 
     Arrays of at least ``bigarray_bound`` elements are cut into ``num_servers`` contiguous parts
-    whose sizes differ by at most one element, so every server carries the same load.
+    whose sizes differ by at most one element, so every server carries the same load. A part of
+    more than ``max_slice_numel`` elements is cut further (its pieces stay on its server), so no
+    message carries more than a socket's frame limit (``TANDEM_PS_MAX_FRAME_BYTES``).
     """
 
     num_servers: int
     bigarray_bound: int = 1_000_000
+    max_slice_numel: int = 2**62
 
     def __post_init__(self) -> None:
         _check_sizes(self.num_servers, "bigarray_bound", self.bigarray_bound, "TANDEM_KVSTORE_BIGARRAY_BOUND")
+        _check_sizes(self.num_servers, "max_slice_numel", self.max_slice_numel, "TANDEM_PS_MAX_FRAME_BYTES")
 
     def plan(self, key: Key, numel: int) -> list[Slice]:
         _check_numel(numel)
         if numel < self.bigarray_bound or self.num_servers == 1:
-            return [Slice(stable_server(key, self.num_servers), 0, numel)]
-        bounds = [numel * part // self.num_servers for part in range(self.num_servers + 1)]
-        slices = [Slice(server, bounds[server], bounds[server + 1]) for server in range(self.num_servers)]
-        return [part for part in slices if part.numel > 0]  # fewer elements than servers: skip empty parts
+            parts = [Slice(stable_server(key, self.num_servers), 0, numel)]
+        else:
+            bounds = [numel * part // self.num_servers for part in range(self.num_servers + 1)]
+            slices = [Slice(server, bounds[server], bounds[server + 1]) for server in range(self.num_servers)]
+            parts = [part for part in slices if part.numel > 0]  # fewer elements than servers: skip empty parts
+        most = self.max_slice_numel
+        if all(part.numel <= most for part in parts):
+            return parts
+        return [Slice(part.server, start, min(start + most, part.stop))
+                for part in parts for start in range(part.start, part.stop, most)]  # fmt: skip
 
 
 @dataclass(frozen=True)

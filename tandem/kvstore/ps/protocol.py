@@ -6,15 +6,13 @@ hostile or confused peer can at worst get its message rejected.
 
 A message is a ZeroMQ multipart message ``[header, payload_0, ..., payload_{n-1}]``. The header is
 the fixed part ``FIXED`` (little-endian), then ``ndim`` int64 dimensions, then the key's UTF-8
-bytes, then, when the message is signed, a 32-byte HMAC-SHA256 of everything before it computed
-with the shared secret (``TANDEM_PS_SECRET``). Payloads are tensor bytes (sent zero-copy) or, for
-control commands, UTF-8 JSON / text.
+bytes, then, when the message is signed (a job with ``TANDEM_PS_SECRET``), a 16-byte tag over the
+header and every payload frame (``seal``; the keys and the replay check are ``auth``'s). Payloads
+are tensor bytes (sent zero-copy) or, for control commands, UTF-8 JSON / text.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import math
 import struct
@@ -28,23 +26,27 @@ from typing import Any
 import torch
 
 from tandem.kvstore.errors import ProtocolError
+from tandem.kvstore.ps.auth import TAG_BYTES, Session, handshake_tag
 
 MAGIC = b"TDKV"
-VERSION = 5  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked); 3: TAKE and PUT;
-# 4: the COMPRESSED flag (gradient compression, tandem.kvstore.compression); 5: BATCH
-MAC_BYTES = 32
+VERSION = 6  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked); 3: TAKE and PUT;
+# 4: the COMPRESSED flag (gradient compression, tandem.kvstore.compression); 5: BATCH; 6: sequence numbers,
+# tags over whole messages
+MAC_BYTES = TAG_BYTES
 MAX_NDIM = 16
 MAX_KEY_BYTES = 1024
 MAX_PAYLOADS = 8
 MAX_BATCH_ENTRIES = 127  # messages coalesced into one BATCH
 MAX_BATCH_PAYLOADS = 1 + 2 * MAX_BATCH_ENTRIES  # its index frame, then at most 2 frames per entry (a u8 field)
 
-# magic, version, command, flags, request_id, timestamp, sender_role, sender_rank, priority,
+# magic, version, command, flags, request_id, timestamp, sequence, sender_role, sender_rank, priority,
 # key_kind, key_len, dtype, ndim, slice_start, slice_stop, payload_count, payload_nbytes
-FIXED = struct.Struct("<4sHBBQdBHiBHBBqqBQ")
-_FLAGS_OFFSET, _ID_OFFSET = 7, 8  # where FIXED puts the flags byte, and the request id followed by the timestamp
+FIXED = struct.Struct("<4sHBBQdQBHiBHBBqqBQ")
+_COMMAND_OFFSET, _FLAGS_OFFSET, _ID_OFFSET = 6, 7, 8  # where FIXED puts them; the id is followed by the timestamp
 _ID_AND_TIME = struct.Struct("<Qd")
-_TIME_END = _ID_OFFSET + _ID_AND_TIME.size
+_SEQUENCE = struct.Struct("<Q")
+_SEQUENCE_OFFSET = _ID_OFFSET + _ID_AND_TIME.size
+_TIME_END = _SEQUENCE_OFFSET + _SEQUENCE.size  # the end of what changes per message: id, timestamp, sequence
 
 Key = int | str
 
@@ -128,6 +130,8 @@ class Header:
     timestamp: float = field(default_factory=time.time)
     receipt: bool = False  # asks for a RECEIVED notice (see Flag.RECEIPT)
     compressed: bool = False  # the value is compressed (see Flag.COMPRESSED)
+    signed: bool = False  # the frame ends with a tag (decoded headers only; ``seal`` signs)
+    sequence: int = 0  # the sender's number for this message within its session (signed messages)
 
     @property
     def slice_numel(self) -> int:
@@ -187,9 +191,9 @@ def _encode_key(key: Key | None) -> tuple[int, bytes]:
     return kind, raw
 
 
-def encode_header(header: Header, secret: bytes = b"", payload_count: int | None = None,
-                  payload_nbytes: int | None = None, request_id: int | None = None) -> bytes:  # fmt: skip
-    """The header frame for ``header``; signed with HMAC-SHA256 when ``secret`` is non-empty.
+def encode_header(header: Header, payload_count: int | None = None, payload_nbytes: int | None = None,
+                  request_id: int | None = None) -> bytes:  # fmt: skip
+    """The header frame for ``header``, unsigned (``seal`` signs it together with its payloads).
 
     ``payload_count``/``payload_nbytes``/``request_id`` override the header's (the sender knows
     them best; overriding here spares rebuilding a frozen Header per message). The frame is packed
@@ -206,10 +210,10 @@ def encode_header(header: Header, secret: bytes = b"", payload_count: int | None
         body = _pack(header.command, flags, header.sender_role, header.sender_rank, header.priority, header.key,
                      header.dtype, header.shape, header.slice_start, header.slice_stop, count, nbytes)  # fmt: skip
         packed = header.__dict__["_packed"] = (count, nbytes, body)
-    return _stamp(packed[2], header.request_id if request_id is None else request_id, header.timestamp, secret)
+    return _stamp(packed[2], header.request_id if request_id is None else request_id, header.timestamp)
 
 
-def encode_reply(request: Header, rank: int, secret: bytes, payload_count: int = 0, payload_nbytes: int = 0,
+def encode_reply(request: Header, rank: int, payload_count: int = 0, payload_nbytes: int = 0,
                  error: bool = False, compressed: bool = False) -> bytes:  # fmt: skip
     """A server's response header to ``request`` (same command, id, key and slice) in one step.
 
@@ -229,17 +233,36 @@ def encode_reply(request: Header, rank: int, secret: bytes, payload_count: int =
             if len(replies) >= _REPLIES_LIMIT:
                 replies.clear()
             replies[shape] = body
-    return _stamp(body, request.request_id, time.time(), secret)
+    return _stamp(body, request.request_id, time.time())
 
 
-def _stamp(body: bytes, request_id: int, timestamp: float, secret: bytes) -> bytes:
-    """A packed header body with its request id and timestamp written in; signed when ``secret`` is set."""
+def _stamp(body: bytes, request_id: int, timestamp: float) -> bytes:
+    """A packed header body with its request id and timestamp written in."""
     frame = bytearray(body)
     _ID_AND_TIME.pack_into(frame, _ID_OFFSET, request_id, timestamp)
-    if not secret:
-        return bytes(frame)
-    frame[_FLAGS_OFFSET] |= _SIGNED
-    return bytes(frame) + hmac.digest(secret, frame, hashlib.sha256)
+    return bytes(frame)
+
+
+def is_handshake(frame: bytes) -> bool:
+    """Whether an encoded header is a HELLO or the answer to one (tagged with the secret, not a session)."""
+    return len(frame) > _COMMAND_OFFSET and frame[_COMMAND_OFFSET] == _HELLO
+
+
+def seal(frame: bytes, payloads: Sequence[Any], session: Session | None = None, secret: bytes = b"") -> bytes:
+    """``frame`` (an unsigned header) signed over itself and ``payloads``: under ``session``, with its
+    next sequence number; without one (a handshake), with the shared ``secret``."""
+    signed = bytearray(frame)
+    signed[_FLAGS_OFFSET] |= _SIGNED
+    if session is None:
+        return bytes(signed) + handshake_tag(secret, signed, payloads)
+    sequence = session.next_sequence()
+    _SEQUENCE.pack_into(signed, _SEQUENCE_OFFSET, sequence)
+    return bytes(signed) + session.tag(sequence, signed, payloads)
+
+
+def split_tag(frame: bytes) -> tuple[bytes, bytes]:
+    """A signed header frame's body and tag (``decode_header`` has checked it is long enough)."""
+    return frame[:-MAC_BYTES], frame[-MAC_BYTES:]
 
 
 def _pack(command: int, flags: int, role: int, rank: int, priority: int, key: Key | None,
@@ -249,7 +272,7 @@ def _pack(command: int, flags: int, role: int, rank: int, priority: int, key: Ke
     key_kind, key_bytes = _encode_key(key)
     return b"".join((
         FIXED.pack(
-            MAGIC, VERSION, command, flags, 0, 0.0, role, rank, priority, key_kind, len(key_bytes),
+            MAGIC, VERSION, command, flags, 0, 0.0, 0, role, rank, priority, key_kind, len(key_bytes),
             0 if dtype is None else DTYPE_CODES[dtype], len(shape), start, stop, payload_count, payload_nbytes,
         ),
         _shape_struct(len(shape)).pack(*shape),
@@ -283,7 +306,7 @@ _ROLES = {int(role): role for role in Role}
 _KEY_KINDS = {int(kind): kind for kind in KeyKind}
 _RESPONSE, _ERROR, _SIGNED, _RECEIPT = int(Flag.RESPONSE), int(Flag.ERROR), int(Flag.SIGNED), int(Flag.RECEIPT)
 _COMPRESSED = int(Flag.COMPRESSED)
-_BATCH = int(Command.BATCH)
+_BATCH, _HELLO = int(Command.BATCH), int(Command.HELLO)
 _KNOWN_FLAGS = _RESPONSE | _ERROR | _SIGNED | _RECEIPT | _COMPRESSED
 
 
@@ -302,34 +325,20 @@ def _decode_key(kind: KeyKind, raw: bytes) -> Key | None:
     return text
 
 
-def _verify(frame: bytes, secret: bytes, signed: bool) -> bytes:
-    """``frame`` without its MAC, once the MAC (if any is expected) checks out."""
-    if not secret:
-        _check(
-            not signed,
-            "message is signed but this process has no TANDEM_PS_SECRET; set the same secret everywhere",
-        )
-        return frame
-    _check(signed, "unauthenticated message: TANDEM_PS_SECRET is set here but the sender did not sign")
-    _check(len(frame) > MAC_BYTES, "signed header too short")
-    body, mac = frame[:-MAC_BYTES], frame[-MAC_BYTES:]
-    _check(hmac.compare_digest(mac, hmac.digest(secret, body, hashlib.sha256)),
-           "bad message signature: the sender's TANDEM_PS_SECRET differs")  # fmt: skip
-    return body
-
-
-def decode_header(frame: bytes, secret: bytes = b"") -> Header:
+def decode_header(frame: bytes) -> Header:
     """Parse and validate a header frame; raises ``ProtocolError`` naming the first problem.
 
-    A job sends the same few headers over and over (one per command, key and slice), differing
-    only in request id and timestamp. So an unsigned frame seen before is looked up by the rest of
-    its bytes instead of parsed and checked again: byte for byte the same, it is just as valid.
-    (A signed frame is verified every time: its MAC covers the id.) Decoded headers share a small
-    cache of packed replies (``encode_reply``).
+    Only the format is checked here: whether a signed frame's tag is right (and its sequence number
+    new) is the receiving transport's check, over the whole message. A job sends the same few
+    headers over and over (one per command, key and slice), differing only in request id, timestamp,
+    sequence number and tag. So a frame seen before is looked up by the rest of its bytes instead of
+    parsed and checked again: byte for byte the same, it is just as valid. Decoded headers share a
+    small cache of packed replies (``encode_reply``).
     """
-    if secret:
-        return _parse_header(frame, secret)
-    unstamped = frame[:_ID_OFFSET] + frame[_TIME_END:]
+    signed = len(frame) > _FLAGS_OFFSET and frame[_FLAGS_OFFSET] & _SIGNED
+    if signed and len(frame) < FIXED.size + MAC_BYTES:
+        raise ProtocolError(f"signed header of {len(frame)} bytes is shorter than {FIXED.size + MAC_BYTES}")
+    unstamped = frame[:_ID_OFFSET] + frame[_TIME_END : len(frame) - MAC_BYTES if signed else len(frame)]
     known = _DECODED.get(unstamped)
     if known is not None:
         request_id, timestamp = _ID_AND_TIME.unpack_from(frame, _ID_OFFSET)
@@ -339,8 +348,9 @@ def decode_header(frame: bytes, secret: bytes = b"") -> Header:
         fields = header.__dict__
         fields.update(known.__dict__)
         fields["request_id"], fields["timestamp"] = request_id, timestamp
+        fields["sequence"] = _SEQUENCE.unpack_from(frame, _SEQUENCE_OFFSET)[0]
         return header
-    header = _parse_header(frame, secret)
+    header = _parse_header(frame[: -MAC_BYTES] if signed else frame)
     if len(_DECODED) >= _DECODED_LIMIT:
         _DECODED.clear()
     header.__dict__["_replies"] = {}
@@ -353,16 +363,16 @@ _DECODED_LIMIT = 16384  # bounds what a hostile peer can make us keep (~20 MB)
 _REPLIES_LIMIT = 64  # packed replies per decoded header (per rank, payload size and error flag)
 
 
-def _parse_header(frame: bytes, secret: bytes) -> Header:
-    """Parse and validate a header frame; raises ``ProtocolError`` naming the first problem.
+def _parse_header(body: bytes) -> Header:
+    """Parse and validate a header frame without its tag; raises ``ProtocolError`` naming the first problem.
 
     Problems are spelled out only once found (``if ...: raise``): formatting every message up
     front cost more than the whole parse, on every message.
     """
-    if len(frame) < FIXED.size:
-        raise ProtocolError(f"header of {len(frame)} bytes is shorter than {FIXED.size}")
-    (magic, version, command, flags, request_id, timestamp, role, rank, priority, key_kind, key_len,
-     dtype_code, ndim, start, stop, payload_count, payload_nbytes) = FIXED.unpack_from(frame)  # fmt: skip
+    if len(body) < FIXED.size:
+        raise ProtocolError(f"header of {len(body)} bytes is shorter than {FIXED.size}")
+    (magic, version, command, flags, request_id, timestamp, sequence, role, rank, priority, key_kind, key_len,
+     dtype_code, ndim, start, stop, payload_count, payload_nbytes) = FIXED.unpack_from(body)  # fmt: skip
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a tandem kvstore message")
     if version != VERSION:
@@ -371,7 +381,6 @@ def _parse_header(frame: bytes, secret: bytes) -> Header:
         )
     if flags & ~_KNOWN_FLAGS:
         raise ProtocolError(f"unknown flag bits {flags:#x}")
-    body = _verify(frame, secret, bool(flags & _SIGNED))
     if ndim > MAX_NDIM:
         raise ProtocolError(f"{ndim} dimensions, at most {MAX_NDIM} allowed")
     if key_len > MAX_KEY_BYTES:
@@ -396,7 +405,8 @@ def _parse_header(frame: bytes, secret: bytes) -> Header:
         sender_role=_lookup(_ROLES, role, "role"), sender_rank=rank, key=key, priority=priority, dtype=dtype,
         shape=shape, slice_start=start, slice_stop=stop, response=bool(flags & _RESPONSE),
         error=bool(flags & _ERROR), payload_count=payload_count, payload_nbytes=payload_nbytes, timestamp=timestamp,
-        receipt=bool(flags & _RECEIPT), compressed=bool(flags & _COMPRESSED),
+        receipt=bool(flags & _RECEIPT), compressed=bool(flags & _COMPRESSED), signed=bool(flags & _SIGNED),
+        sequence=sequence,
     )  # fmt: skip
     return header
 
@@ -404,12 +414,12 @@ def _parse_header(frame: bytes, secret: bytes) -> Header:
 _new_header = object.__new__  # a decoded header is built field by field: an eighth of Header()'s cost
 
 
-def decode(frames: Sequence[Any], secret: bytes = b"") -> Message:
-    """Validate a received multipart message (bytes or zmq.Frame parts) and view its payloads."""
+def decode(frames: Sequence[Any]) -> Message:
+    """Validate a received multipart message's format (bytes or zmq.Frame parts) and view its payloads."""
     if not frames:
         raise ProtocolError("empty message")
     first = frames[0]
-    return attach(decode_header(first.bytes if hasattr(first, "bytes") else bytes(first), secret), frames[1:])
+    return attach(decode_header(first.bytes if hasattr(first, "bytes") else bytes(first)), frames[1:])
 
 
 def attach(header: Header, frames: Sequence[Any]) -> Message:
@@ -484,13 +494,13 @@ def tensor_from_bytes(payload: memoryview, dtype: torch.dtype, numel: int) -> to
 
 
 # A BATCH message: ``[batch header, index, entry 0's payloads..., entry 1's payloads...]``. The index
-# is a u16 entry count, then per entry a u16 length and that entry's own header frame (exactly what
-# it would carry alone: signed when the job has a secret, its payload count and bytes filled in).
+# is a u16 entry count, then per entry a u16 length and that entry's own header frame (what it would
+# carry alone, unsigned: the batch's tag covers the index and every payload).
 # Entries are data requests, or replies to them, all from the batch's sender; each is validated as
 # if it had arrived alone, and together they must account for every frame and byte that arrived.
 BATCHABLE = TENSOR_COMMANDS
 _U16 = struct.Struct("<H")
-MAX_ENTRY_BYTES = FIXED.size + 8 * MAX_NDIM + MAX_KEY_BYTES + MAC_BYTES
+MAX_ENTRY_BYTES = FIXED.size + 8 * MAX_NDIM + MAX_KEY_BYTES
 
 
 def encode_batch_index(heads: Sequence[bytes]) -> bytes:
@@ -504,7 +514,7 @@ def encode_batch_index(heads: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def decode_batch_index(batch: Header, index: bytes, secret: bytes = b"") -> list[Header]:
+def decode_batch_index(batch: Header, index: bytes) -> list[Header]:
     """The entries' headers of a BATCH whose header is ``batch`` and index frame ``index``, validated.
 
     Each entry is a data request (or, in a response batch, a reply) of the batch's sender, and the
@@ -521,9 +531,10 @@ def decode_batch_index(batch: Header, index: bytes, secret: bytes = b"") -> list
         offset += _U16.size
         _check(length <= MAX_ENTRY_BYTES, f"batch entry header of {length} bytes, at most {MAX_ENTRY_BYTES}")
         _check(offset + length <= len(index), "batch index frame is truncated")
-        header = decode_header(index[offset : offset + length], secret)
+        header = decode_header(index[offset : offset + length])
         offset += length
         _check(header.command in BATCHABLE, f"a batch may not carry {header.command.name}")
+        _check(not header.signed, "a batch entry carries a tag of its own; only the batch is signed")
         _check(header.response == batch.response and header.sender_role == batch.sender_role
                and header.sender_rank == batch.sender_rank,
                "a batch entry's sender or direction differs from its batch's")  # fmt: skip
@@ -536,10 +547,10 @@ def decode_batch_index(batch: Header, index: bytes, secret: bytes = b"") -> list
     return headers
 
 
-def split_batch(message: Message, secret: bytes = b"") -> list[Message]:
+def split_batch(message: Message) -> list[Message]:
     """The messages a received BATCH carries (checked by ``attach`` against its header already)."""
     _check(bool(message.payloads), "a batch without its index frame")
-    headers = decode_batch_index(message.header, bytes(message.payloads[0]), secret)
+    headers = decode_batch_index(message.header, bytes(message.payloads[0]))
     frames = message.frames if message.frames is not None else message.payloads
     messages, position = [], 1
     for header in headers:

@@ -5,9 +5,16 @@ a slot's pushes are queued per worker and merged in rank order once every worker
 then the optimizer runs on the sum (or the sum becomes the value); a pull waits until every round
 the puller has pushed into is applied. Async mode applies each push on arrival.
 
-Faults: a malformed or unauthenticated frame is logged and dropped; a bad request (wrong shape,
-key never initialised, double init) gets an error response; a worker silent for ``timeout``
-seconds ends the job: the server tells every other worker (ABORT) and exits nonzero.
+Faults: every message from every peer goes through one guard (``_dispatch``): a malformed,
+unauthenticated, replayed or unexpected message is logged with the peer's identity and dropped; a
+bad request (wrong shape, key never initialised, double init) gets an error response; nothing a
+peer sends can end the loop. A worker silent for ``timeout`` seconds ends the job: the server tells
+every other worker (ABORT) and exits nonzero.
+
+Workers: with a secret, a worker's HELLO opens a *pending* session for its connection; the rank
+is bound to that connection only when the first message tagged with the session key arrives from
+it, which only the holder of the secret can send. So a replayed hello, or a stranger claiming a
+rank, can neither take a rank nor lock the real worker out (``docs/security.md``).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import logging
 import os
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +36,8 @@ from tandem.kvstore import compression
 from tandem.kvstore.compression import GradientCompression
 from tandem.kvstore.config import DistOptions
 from tandem.kvstore.errors import PeerFailure, ProtocolError, RemoteError
+from tandem.kvstore.ps.auth import NONCE_BYTES, new_nonce
+from tandem.kvstore.ps.curve import CurveKeys
 from tandem.kvstore.ps.protocol import (
     Command,
     Header,
@@ -51,6 +60,8 @@ from tandem.kvstore.slots import Slot, SlotId, SlotTable
 
 log = logging.getLogger("tandem.kvstore.server")
 CONTROL_COMMANDS = frozenset({Command.HELLO, Command.HEARTBEAT, Command.BYE, Command.ABORT})
+PENDING_PER_RANK = 4  # hellos awaiting their first tagged message, per rank (a replayed hello never completes)
+LOGGED_PER_PEER = 20  # rejections logged in full per peer; after that one line per 1000 (a flood must not fill disks)
 _ACTIONS = {command: command.name.lower() for command in Command}  # for error messages, named once
 
 
@@ -85,15 +96,21 @@ class Server:
         self.topology, self.options = topology, options
         self.rank = topology.rank
         self.table = SlotTable()
+        self.checkpoint_root = os.path.realpath(knob("TANDEM_PS_CHECKPOINT_DIR") or os.getcwd())  # SAVE/LOAD stay inside
         # replies to the requests of one poll go out together, per worker (TANDEM_PS_COALESCE_BYTES)
-        self.transport = ServerTransport(options.secret_bytes, options.bind_addr, knob("TANDEM_PS_COALESCE_BYTES"))
-        self.address = ServerAddress(public_endpoint(options.bind_addr, self.transport.port))
+        self.wire = ServerTransport(options.secret_bytes, options.bind_addr, knob("TANDEM_PS_COALESCE_BYTES"),
+                                    options.max_frame_bytes, CurveKeys.from_env("server"))  # fmt: skip
+        self.transport = self.wire  # what requests are read from and answered on (P3 puts a priority queue in front)
+        self.address = ServerAddress(public_endpoint(options.bind_addr, self.wire.port))
         self.workers: dict[int, _WorkerState] = {}
+        self.pending: dict[bytes, _WorkerState] = {}  # peer -> its hello's worker, until it proves the session key
+        self.pending_ranks: dict[bytes, int] = {}
+        self.rejections: Counter[bytes] = Counter()  # per peer
         self.rounds: dict[SlotId, _Rounds] = {}
         self.residuals: dict[SlotId, torch.Tensor] = {}  # see _compress_value
         self.barrier: dict[int, tuple[bytes, Header]] = {}
         self.rejected = 0
-        self._handlers: dict[Command, Callable[[bytes, Message], None]] = {
+        self._handlers: dict[Command, Callable[[bytes, Message], None]] = {  # requests a worker may send
             Command.HEARTBEAT: self._heartbeat,
             Command.BYE: self._bye,
             Command.INIT: self._init,
@@ -147,6 +164,17 @@ class Server:
             )
 
     def _dispatch(self, incoming: Incoming) -> None:
+        """The one guard every received message passes: answered, or logged and dropped; never raised
+        out of the loop (a ``PeerFailure`` is the job ending, not a message's fault)."""
+        try:
+            self._route(incoming)
+        except PeerFailure:
+            raise
+        except Exception as error:  # a bug a hostile message found: drop the message, keep serving
+            log.exception("server %d: a message from peer %s broke the dispatch", self.rank, incoming.peer.hex())
+            self._reject(incoming, f"internal error: {type(error).__name__}: {error}")
+
+    def _route(self, incoming: Incoming) -> None:
         message = incoming.message
         if message is None:
             self._reject(incoming, str(incoming.error))
@@ -160,6 +188,12 @@ class Server:
         if header.command is Command.HELLO:
             self._guarded(incoming.peer, header, self._hello, message)
             return
+        handler = self._handlers.get(header.command)
+        if handler is None:  # RECEIVED, BATCH (split already) ...: never a worker's request
+            self._reject(incoming, f"{header.command.name} is not a request a worker sends")
+            return
+        if incoming.peer in self.pending:
+            self._confirm(incoming.peer)
         worker = self.workers.get(header.sender_rank)
         if worker is None or worker.gone or incoming.peer != worker.peer:
             self._reject(
@@ -167,7 +201,23 @@ class Server:
             )
             return
         worker.last_heard = time.monotonic()
-        self._guarded(worker.peer, header, self._handlers[header.command], message)
+        self._guarded(worker.peer, header, handler, message)
+
+    def _confirm(self, peer: bytes) -> None:
+        """``peer`` sent its first message tagged with its session key: it is the worker its hello named."""
+        rank, state = self.pending_ranks.pop(peer), self.pending.pop(peer)
+        known = self.workers.get(rank)
+        if known is not None and known.peer != peer and not known.gone:
+            self.wire.close_session(peer)  # the rank is taken by a connection that proved itself first
+            return
+        self.workers[rank] = state
+        for other in [other for other, other_rank in self.pending_ranks.items() if other_rank == rank]:
+            self._forget_pending(other)  # hellos that claimed the same rank (replays) can never complete now
+
+    def _forget_pending(self, peer: bytes) -> None:
+        self.pending.pop(peer, None)
+        self.pending_ranks.pop(peer, None)
+        self.wire.close_session(peer)
 
     def _guarded(self, peer: bytes, header: Header, handler: Callable[[bytes, Message], None],
                  message: Message) -> None:  # fmt: skip
@@ -186,7 +236,19 @@ class Server:
 
     def _reject(self, incoming: Incoming, reason: str) -> None:
         self.rejected += 1
-        log.warning("server %d rejected a message from peer %s: %s", self.rank, incoming.peer.hex()[:16], reason)
+        peer = incoming.peer
+        count = self.rejections[peer] = self.rejections[peer] + 1
+        if count <= LOGGED_PER_PEER or count % 1000 == 0:
+            log.warning("server %d rejected message %d from peer %s (%s): %s", self.rank, count, peer.hex(),
+                        self._peer_name(peer), reason)  # fmt: skip
+
+    def _peer_name(self, peer: bytes) -> str:
+        """Who a peer is, as far as this server knows: its worker, a pending hello, or a stranger."""
+        for worker in self.workers.values():
+            if worker.peer == peer:
+                return worker.description
+        pending = self.pending.get(peer)
+        return f"unconfirmed hello as {pending.description}" if pending is not None else "never said hello"
 
     def _reply(self, peer: bytes, request: Header, payloads: list[Any] | None = None) -> None:
         self.transport.reply(peer, request, self.rank, payloads or ())
@@ -201,7 +263,7 @@ class Server:
         header = message.header
         info = _json_payload(message)
         expected = {"kind": self.options.kind, "num_workers": self.topology.num_workers,
-                    "num_servers": self.topology.num_servers}  # fmt: skip
+                    "num_servers": self.topology.num_servers, "max_frame_bytes": self.options.max_frame_bytes}  # fmt: skip
         seen = {name: info.get(name) for name in expected}
         if seen != expected:
             raise RemoteError(
@@ -213,10 +275,20 @@ class Server:
         if known is not None and known.peer != peer:
             raise RemoteError(f"worker rank {header.sender_rank} is already connected from another process")
         where = f"pid {info.get('pid')} on {info.get('host')}"
-        self.workers[header.sender_rank] = _WorkerState(
-            peer, f"worker {header.sender_rank} ({where})", time.monotonic()
-        )
-        self._reply(peer, header)
+        state = _WorkerState(peer, f"worker {header.sender_rank} ({where})", time.monotonic())
+        if not self.options.secret:  # nothing to prove: the rank is this connection's from now on
+            self.workers[header.sender_rank] = state
+            self._reply(peer, header)
+            return
+        worker_nonce = _nonce(info.get("nonce"))
+        claims = [other for other, rank in self.pending_ranks.items() if rank == header.sender_rank]
+        if len(claims) >= PENDING_PER_RANK and peer not in claims:
+            self._forget_pending(claims[0])  # the oldest claim: bounded, and a live worker retries nothing
+        server_nonce = new_nonce()
+        self.wire.open_session(peer, worker_nonce, server_nonce, header.sender_rank)
+        self.pending[peer], self.pending_ranks[peer] = state, header.sender_rank
+        answer = {"nonce": server_nonce.hex(), "worker_nonce": worker_nonce.hex()}  # signed with the secret
+        self._reply(peer, header, [memoryview(json.dumps(answer).encode())])
 
     def _bye(self, peer: bytes, message: Message) -> None:
         """A worker closed its store: what still waits for it can never complete, so say so now."""
@@ -428,15 +500,26 @@ class Server:
     def _checkpoint_name(self) -> str:
         return f"server-{self.rank}-of-{self.topology.num_servers}.pt"
 
+    def _checkpoint_path(self, path: str) -> str:
+        """``path`` (relative to the checkpoint root, or absolute inside it) resolved; a path that leads
+        outside the root (``..``, a symbolic link) is refused: a peer must not write anywhere it likes."""
+        resolved = os.path.realpath(os.path.join(self.checkpoint_root, path))
+        if os.path.commonpath([resolved, self.checkpoint_root]) != self.checkpoint_root:
+            raise RemoteError(f"checkpoint directory {path!r} is outside server {self.rank}'s checkpoint root "
+                              f"{self.checkpoint_root}; use a directory inside it, or start the servers with "
+                              f"TANDEM_PS_CHECKPOINT_DIR set to a directory that contains it")  # fmt: skip
+        return resolved
+
     def _save(self, peer: bytes, message: Message) -> None:
         """Payloads: the directory, then optionally a note for whoever loads it (answered: the file written)."""
         path, *note = _text_payloads(message, most=2)
-        target = self.table.save(path, self._checkpoint_name(), self._checkpoint_meta(), *note)
+        target = self.table.save(self._checkpoint_path(path), self._checkpoint_name(), self._checkpoint_meta(), *note)
         self._reply(peer, message.header, [memoryview(target.encode())])
 
     def _load(self, peer: bytes, message: Message) -> None:
         """Payload: the directory (answered: the note saved with the checkpoint)."""
-        note = self.table.load(_text_payload(message), self._checkpoint_name(), self._checkpoint_meta())
+        note = self.table.load(self._checkpoint_path(_text_payload(message)), self._checkpoint_name(),
+                               self._checkpoint_meta())  # fmt: skip
         self.rounds.clear()  # a restore happens between steps: no round is half-merged
         self.residuals.clear()
         self._reply(peer, message.header, [memoryview(note.encode())])
@@ -476,7 +559,18 @@ def _json_payload(message: Message) -> dict[str, object]:
     return value
 
 
+def _nonce(value: object) -> bytes:
+    """A hello's worker nonce (hex text in its JSON), checked."""
+    try:
+        nonce = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        nonce = b""
+    if len(nonce) != NONCE_BYTES:
+        raise RemoteError(f"hello without a valid nonce ({NONCE_BYTES} bytes as hex): an older or foreign client")
+    return nonce
+
+
 def hello_info(topology: Topology, options: DistOptions) -> dict[str, object]:
     """What a worker tells each server when it connects (checked against the server's own view)."""
     return {"kind": options.kind, "num_workers": topology.num_workers, "num_servers": topology.num_servers,
-            "pid": os.getpid(), "host": socket.gethostname()}  # fmt: skip
+            "max_frame_bytes": options.max_frame_bytes, "pid": os.getpid(), "host": socket.gethostname()}  # fmt: skip

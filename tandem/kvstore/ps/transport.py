@@ -22,14 +22,19 @@ Tensor payloads of at least ``ZERO_COPY_BYTES`` go out without a copy (ZeroMQ re
 memory directly); a pull's reply is received straight into the output tensor (``recv_into``). A
 worker sends them with libzmq's ``zmq_send_const`` (memory the caller keeps alive and unchanged
 until the request's reply arrives, which proves every byte left): pyzmq's zero-copy send instead
-wakes its garbage-collector thread, a Python thread wanting the GIL, once per message. Every
-received message is decoded and validated here, so callers only ever see well-formed ``Message``
-objects or a ``ProtocolError``.
+wakes its garbage-collector thread, a Python thread wanting the GIL, once per message.
+
+Every received message is decoded, validated and (with a secret) authenticated here, so callers
+only ever see well-formed, authentic ``Message`` objects or a ``ProtocolError``: the transport
+seals what it sends and checks what it receives with each peer's ``auth.Session``. Every socket
+drops a peer that sends a frame above ``max_frame_bytes`` before buffering it (``ZMQ_MAXMSGSIZE``),
+and a worker's routing id is the one its server's ROUTER assigns (a peer cannot take another's).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hmac
 import os
 import select
 import threading
@@ -44,6 +49,8 @@ from zmq.backend import zmq_poll
 from zmq.backend.cython import _zmq as pyzmq_backend
 
 from tandem.kvstore.errors import ProtocolError
+from tandem.kvstore.ps.auth import Session, handshake_tag
+from tandem.kvstore.ps.curve import CurveKeys
 from tandem.kvstore.ps.protocol import (
     BATCHABLE,
     MAX_BATCH_ENTRIES,
@@ -58,7 +65,10 @@ from tandem.kvstore.ps.protocol import (
     encode_batch_index,
     encode_header,
     encode_reply,
+    is_handshake,
+    seal,
     split_batch,
+    split_tag,
     tensor_bytes,
 )
 
@@ -97,17 +107,59 @@ _send: Callable[..., Any] = pyzmq_backend.Socket.send
 
 
 class _Endpoint:
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, max_frame_bytes: int, curve: CurveKeys | None) -> None:
         self.secret = secret
+        self.max_frame_bytes = max_frame_bytes
+        self.curve = curve
         self.context = zmq.Context()
 
-    def _head(self, header: Header, payloads: Sequence[Any], request_id: int | None = None) -> bytes:
-        """The header frame for ``header`` carrying ``payloads`` (their count and bytes filled in here)."""
-        return encode_header(header, self.secret, len(payloads), payload_size(payloads), request_id)
+    def _socket(self, kind: int) -> zmq.Socket:
+        socket = self.context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 500)  # queued goodbyes get half a second to leave at close
+        socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)  # a bigger frame drops its sender unbuffered
+        return socket
 
-    def _decode(self, peer: Any, frames: list[Any]) -> Incoming:
+    def _head(self, header: Header, payloads: Sequence[Any], request_id: int | None = None) -> bytes:
+        """The unsigned header frame for ``header`` carrying ``payloads`` (their count and bytes filled in here)."""
+        return encode_header(header, len(payloads), payload_size(payloads), request_id)
+
+    def _seal(self, session: Session | None, head: bytes, payloads: Sequence[Any]) -> bytes:
+        """``head`` signed over ``payloads`` when the job has a secret: a HELLO or its answer with the
+        secret, anything else under the peer's session."""
+        if not self.secret:
+            return head
+        if is_handshake(head):
+            return seal(head, payloads, secret=self.secret)
+        if session is None:
+            raise ProtocolError("no authenticated session with this peer: it has not completed hello")
+        return seal(head, payloads, session)
+
+    def _authenticate(self, session: Session | None, head: bytes, header: Header, payloads: Sequence[Any]) -> None:
+        """Raise ``ProtocolError`` unless the message is signed as this job requires (and new, in a session)."""
+        if not self.secret:
+            if header.signed:
+                raise ProtocolError("message is signed but this process has no TANDEM_PS_SECRET; "
+                                    "set the same secret everywhere")  # fmt: skip
+            return
+        if not header.signed:
+            raise ProtocolError("unauthenticated message: TANDEM_PS_SECRET is set here but the sender did not sign")
+        body, tag = split_tag(head)
+        if header.command is Command.HELLO:
+            if not hmac.compare_digest(tag, handshake_tag(self.secret, body, payloads)):
+                raise ProtocolError("bad hello tag: the sender's TANDEM_PS_SECRET differs, or the message was changed")
+            return
+        if session is None:
+            raise ProtocolError(f"{header.command.name} from a peer without a session: it never completed an "
+                                f"authenticated hello")  # fmt: skip
+        problem = session.check(header.sequence, body, tag, payloads)
+        if problem is not None:
+            raise ProtocolError(problem)
+
+    def _decode(self, peer: Any, frames: list[Any], session: Session | None) -> Incoming:
         try:
-            return Incoming(peer, decode(frames, self.secret))
+            message = decode(frames)
+            self._authenticate(session, _bytes(frames[0]), message.header, message.payloads)
+            return Incoming(peer, message)
         except ProtocolError as error:
             return Incoming(peer, None, error)
 
@@ -118,11 +170,13 @@ class _Endpoint:
 class ServerTransport(_Endpoint):
     """A server's ROUTER, bound to ``bind_addr`` on an ephemeral port (``port``); peers are routing ids."""
 
-    def __init__(self, secret: bytes, bind_addr: str, coalesce_bytes: int = 0) -> None:
-        super().__init__(secret)
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 500)
+    def __init__(self, secret: bytes, bind_addr: str, coalesce_bytes: int = 0, max_frame_bytes: int = 2**62,
+                 curve: CurveKeys | None = None) -> None:  # fmt: skip
+        super().__init__(secret, max_frame_bytes, curve)
+        self.socket = self._socket(zmq.ROUTER)
+        self._authenticator = None if curve is None else curve.make_server(self.socket, self.context)  # before bind
         self.port = self.socket.bind_to_random_port(f"tcp://{bind_addr}")
+        self.sessions: dict[bytes, Session] = {}  # peer -> its session (with a secret, after its hello)
         self._poll_items = [(self.socket, POLLIN)]  # built once: Socket.poll builds a Poller per call
         self.coalesce_bytes = coalesce_bytes  # replies held per peer up to this many bytes (0: none held)
         self._held: dict[bytes, list[tuple[bytes, Sequence[Any], int]]] = {}  # peer -> (head, payloads, bytes)
@@ -146,7 +200,7 @@ class ServerTransport(_Endpoint):
         ``flush`` (one BATCH message per peer), or as soon as the peer's held bytes reach the bound.
         """
         nbytes = payload_size(payloads) if payloads else 0
-        head = encode_reply(request, rank, self.secret, len(payloads), nbytes, error, compressed)
+        head = encode_reply(request, rank, len(payloads), nbytes, error, compressed)
         if not self.coalesce_bytes or request.command not in BATCHABLE:
             if peer in self._held:
                 self.flush(peer)
@@ -179,10 +233,24 @@ class ServerTransport(_Endpoint):
             assert self._batch_head is not None  # set with the first held reply
             index = encode_batch_index([head for head, _, _ in held])
             payloads = [index, *(payload for _, entry, _ in held for payload in entry)]
-            head = encode_header(self._batch_head, self.secret, len(payloads), len(index) + nbytes)
+            head = encode_header(self._batch_head, len(payloads), len(index) + nbytes)
             self._send(target, head, payloads)
 
+    def open_session(self, peer: bytes, worker_nonce: bytes, server_nonce: bytes, rank: int) -> Session:
+        """The session of ``peer`` after an authenticated hello (replacing any it had)."""
+        session = self.sessions[peer] = Session(self.secret, worker_nonce, server_nonce, rank, is_server=True)
+        return session
+
+    def close_session(self, peer: bytes) -> None:
+        self.sessions.pop(peer, None)
+
+    def close(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        super().close()
+
     def _send(self, peer: bytes, head: bytes, payloads: Sequence[Any]) -> None:
+        head = self._seal(self.sessions.get(peer), head, payloads)
         self.sent += 1
         _send(self.socket, peer, SNDMORE)
         _send(self.socket, head, SNDMORE if payloads else 0)
@@ -202,9 +270,10 @@ class ServerTransport(_Endpoint):
             head = socket.recv(NOBLOCK)  # the header as bytes: cheaper than a Frame object
             frames = socket.recv_multipart(NOBLOCK, copy=False) if socket.get(RCVMORE) else []
             try:
-                message = attach(decode_header(head, self.secret), frames)
+                message = attach(decode_header(head), frames)
+                self._authenticate(self.sessions.get(peer), head, message.header, message.payloads)
                 if message.header.command is Command.BATCH:  # its messages, handled as if they came alone
-                    received.extend(Incoming(peer, entry) for entry in split_batch(message, self.secret))
+                    received.extend(Incoming(peer, entry) for entry in split_batch(message))
                 else:
                     received.append(Incoming(peer, message))
             except ProtocolError as error:
@@ -220,9 +289,11 @@ class WorkerTransport(_Endpoint):
     is used only under its lock).
     """
 
-    def __init__(self, secret: bytes, endpoints: list[str], identity: bytes, send_timeout: float) -> None:
-        super().__init__(secret)
-        self.sockets = [self._dealer(endpoint, identity, send_timeout) for endpoint in endpoints]
+    def __init__(self, secret: bytes, endpoints: list[str], send_timeout: float, max_frame_bytes: int = 2**62,
+                 curve: CurveKeys | None = None) -> None:  # fmt: skip
+        super().__init__(secret, max_frame_bytes, curve)
+        self.sessions: list[Session | None] = [None] * len(endpoints)  # with a secret: set after each hello
+        self.sockets = [self._dealer(endpoint, send_timeout) for endpoint in endpoints]
         self._locks = [threading.Lock() for _ in self.sockets]
         self._send_timeout = send_timeout
         # a pipe, not an inproc socket, wakes the receiver: a write and a read are one system call
@@ -241,13 +312,17 @@ class WorkerTransport(_Endpoint):
         self.sent = 0  # messages sent (a batch counts once), for benchmarks and tests
         self.received = 0  # messages received (likewise)
 
-    def _dealer(self, endpoint: str, identity: bytes, send_timeout: float) -> zmq.Socket:
-        socket = self.context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 500)  # queued goodbyes get half a second to leave at close
-        socket.setsockopt(zmq.IDENTITY, identity)
+    def _dealer(self, endpoint: str, send_timeout: float) -> zmq.Socket:
+        socket = self._socket(zmq.DEALER)  # no chosen routing id: the server's ROUTER assigns one nobody can take
         socket.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))  # a backstop: sends start NOBLOCK anyway
+        if self.curve is not None:
+            self.curve.make_client(socket)
         socket.connect(endpoint)
         return socket
+
+    def open_session(self, server: int, worker_nonce: bytes, server_nonce: bytes, rank: int) -> None:
+        """Sign and check everything after the hello with ``server`` under a session of these nonces."""
+        self.sessions[server] = Session(self.secret, worker_nonce, server_nonce, rank, is_server=False)
 
     def wake(self) -> None:
         """Interrupt a ``poll`` (in the receiving thread). Thread safe; never blocks (a wake already queued will do)."""
@@ -269,7 +344,8 @@ class WorkerTransport(_Endpoint):
 
         ``request_id`` overrides the header's (so callers need not rebuild the frozen header).
         """
-        self._transmit(server, self._head(header, payloads, request_id), payloads, wait)
+        self._transmit(server, self._seal(self.sessions[server], self._head(header, payloads, request_id), payloads),
+                       payloads, wait)  # fmt: skip
 
     def send_batch(self, server: int, rank: int, entries: Sequence[tuple[Header, Sequence[Any], int]]) -> None:
         """Send several data requests ``(header, payloads, request id)`` to ``server`` as one BATCH message
@@ -280,7 +356,8 @@ class WorkerTransport(_Endpoint):
         heads = [self._head(header, payloads, request_id) for header, payloads, request_id in entries]
         index = encode_batch_index(heads)
         payloads = [index, *(payload for _, entry, _ in entries for payload in entry)]
-        self._transmit(server, encode_header(batch, self.secret, len(payloads), payload_size(payloads)), payloads, True)
+        head = self._seal(self.sessions[server], encode_header(batch, len(payloads), payload_size(payloads)), payloads)
+        self._transmit(server, head, payloads, True)
 
     def _transmit(self, server: int, head: bytes, payloads: Sequence[Any], wait: bool) -> None:
         socket, lock = self.sockets[server], self._locks[server]
@@ -342,50 +419,73 @@ class WorkerTransport(_Endpoint):
 
     def _receive(self, server: int, dealer: zmq.Socket, first: bytes, landing: Landing | None) -> Incoming | list[Incoming]:
         """The rest of a message whose header frame ``first`` arrived (its frames are all here already)."""
+        session = self.sessions[server]
         if not dealer.get(RCVMORE):
-            return self._decode(server, [first])
+            return self._decode(server, [first], session)
         try:
-            header = decode_header(first, self.secret)
+            header = decode_header(first)
         except ProtocolError as error:
             dealer.recv_multipart()  # the rest of a message we already rejected
             return Incoming(server, None, error)
         if header.command is Command.BATCH:
-            return self._receive_batch(server, dealer, header, landing)
+            return self._receive_batch(server, dealer, first, header, landing)
         wanted = landing is not None and header.payload_count == 1 and not header.error
         target = landing(server, header) if wanted and landing is not None else None
-        if target is None or target.nbytes != header.payload_nbytes:
-            try:
-                return Incoming(server, attach(header, dealer.recv_multipart(copy=False)))
-            except ProtocolError as error:
-                return Incoming(server, None, error)
-        size = dealer.recv_into(target)  # the rest of a multipart message is already here: never blocks
-        if dealer.get(RCVMORE):
-            dealer.recv_multipart()
-            return Incoming(server, None, ProtocolError("reply has more payload frames than its header announced"))
-        if size != target.nbytes:
-            return Incoming(server, None, ProtocolError(f"reply payload of {size} bytes, header announced {target.nbytes}"))
-        return Incoming(server, Message(header, [target], landed=True))
+        try:
+            if target is None or target.nbytes != header.payload_nbytes:
+                message = attach(header, dealer.recv_multipart(copy=False))
+            else:
+                # straight into the pull's output; checked below before anyone is told it arrived (the
+                # request stays pending on a bad tag, and its output is not to be read until it completes)
+                size = dealer.recv_into(target)  # the rest of a multipart message is already here: never blocks
+                if dealer.get(RCVMORE):
+                    dealer.recv_multipart()
+                    raise ProtocolError("reply has more payload frames than its header announced")
+                if size != target.nbytes:
+                    raise ProtocolError(f"reply payload of {size} bytes, header announced {target.nbytes}")
+                message = Message(header, [target], landed=True)
+            self._authenticate(session, first, header, message.payloads)
+        except ProtocolError as error:
+            return Incoming(server, None, error)
+        return Incoming(server, message)
 
 
-    def _receive_batch(self, server: int, dealer: zmq.Socket, batch: Header, landing: Landing | None) -> list[Incoming]:
+    def _receive_batch(self, server: int, dealer: zmq.Socket, first: bytes, batch: Header,
+                       landing: Landing | None) -> list[Incoming]:  # fmt: skip
         """A BATCH's replies, each payload received straight into its pull's output where one waits.
 
         Each entry is checked as if it had come alone (one whose payload does not match its header is
         rejected, the others still complete); a batch whose frames do not match its index is rejected
-        from the first entry that lacks frames.
+        from the first entry that lacks frames; with a secret, a batch whose tag fails is rejected whole.
         """
+        index, received = self._receive_entries(server, dealer, batch, landing)
+        if self.secret:
+            payloads = [payload for incoming in received if incoming.message is not None
+                        for payload in incoming.message.payloads]  # fmt: skip
+            try:
+                if index is None or any(incoming.message is None for incoming in received):
+                    raise ProtocolError("a signed batch arrived malformed")
+                self._authenticate(self.sessions[server], first, batch, [index, *payloads])
+            except ProtocolError as error:
+                return [Incoming(server, None, error)]
+        return received
+
+    def _receive_entries(self, server: int, dealer: zmq.Socket, batch: Header,
+                         landing: Landing | None) -> tuple[bytes | None, list[Incoming]]:  # fmt: skip
+        """A BATCH's index frame (None if it was rejected) and its entries (see ``_receive_batch``)."""
         try:
-            headers = decode_batch_index(batch, dealer.recv(NOBLOCK), self.secret)
+            index = dealer.recv(NOBLOCK)
+            headers = decode_batch_index(batch, index)
         except ProtocolError as error:
             if dealer.get(RCVMORE):
                 dealer.recv_multipart()
-            return [Incoming(server, None, error)]
+            return None, [Incoming(server, None, error)]
         received: list[Incoming] = []
         for header in headers:
             count = header.payload_count
             if count and not dealer.get(RCVMORE):
                 received.append(Incoming(server, None, ProtocolError("batch has fewer payload frames than its index announced")))
-                return received
+                return index, received
             target = landing(server, header) if landing is not None and count == 1 and not header.error else None
             if target is not None and target.nbytes == header.payload_nbytes:
                 size = dealer.recv_into(target)  # the frames of a multipart message are all here: never blocks
@@ -399,7 +499,7 @@ class WorkerTransport(_Endpoint):
             for _ in range(count):
                 if not dealer.get(RCVMORE):
                     received.append(Incoming(server, None, ProtocolError("batch has fewer payload frames than its index announced")))
-                    return received
+                    return index, received
                 frames.append(dealer.recv(NOBLOCK, copy=False))
             try:
                 received.append(Incoming(server, attach(header, frames)))
@@ -408,7 +508,7 @@ class WorkerTransport(_Endpoint):
         if dealer.get(RCVMORE):
             dealer.recv_multipart()
             received.append(Incoming(server, None, ProtocolError("batch has more payload frames than its index announced")))
-        return received
+        return index, received
 
 
 def _send_payloads(socket: zmq.Socket, payloads: Sequence[Any], const: bool = False) -> None:
@@ -447,6 +547,10 @@ def _send_const(socket: zmq.Socket, payload: memoryview, flags: int) -> None:
     address = ctypes.addressof(ctypes.c_char.from_buffer(payload))
     if _SEND_CONST(socket.underlying, address, payload.nbytes, flags | NOBLOCK) < 0:
         raise zmq.ZMQError(ctypes.get_errno())
+
+
+def _bytes(frame: Any) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
 def _readable(socket: zmq.Socket) -> bool:

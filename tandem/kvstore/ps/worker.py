@@ -43,7 +43,9 @@ class DistKVStore(KVStore):
 
     def __init__(self, topology: Topology, options: DistOptions, placement: Placement | None = None) -> None:
         self.topology, self.options, self.kind = topology, options, options.kind
-        self.placement = placement or RangePlacement(topology.num_servers, options.bigarray_bound)
+        # slots cut to fit a frame whatever their dtype (8 bytes an element at most)
+        self.placement = placement or RangePlacement(topology.num_servers, options.bigarray_bound,
+                                                     options.max_frame_bytes // 8)  # fmt: skip
         self.rendezvous = connect_store(topology, options.rendezvous_timeout)  # kept: P3's tuner agrees through it
         self.addresses = server_addresses(self.rendezvous, topology.num_servers, options.rendezvous_timeout)
         self._client = Client(self.addresses, topology.rank, options, hello_info(topology, options))
@@ -145,6 +147,12 @@ class DistKVStore(KVStore):
         again = [key for key, _ in items if key in self._initialised]
         if again:
             raise KVStoreError(f"init: key(s) {again} are already initialised; init each key once")
+        for key, tensors in items:
+            itemsize, most = tensors[0].element_size(), self.options.max_frame_bytes
+            if any(part.numel * itemsize > most for part in self._plan(key, tensors[0].numel())):
+                raise KVStoreError(f"init: a slice of key {key!r} would carry more than {most} bytes, the frame limit "
+                                   f"of every socket (TANDEM_PS_MAX_FRAME_BYTES); make slices smaller (slice_size) "
+                                   f"or raise the limit on every process")  # fmt: skip
         self._initialised.update(key for key, _ in items)
         if self.rank == 0:  # one copy is enough; the barrier makes it visible to every worker
             self._send_tensors(Command.INIT, [(k, reduce_sum(v), []) for k, v in items], 0, "init").wait()

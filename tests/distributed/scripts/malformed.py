@@ -13,7 +13,7 @@ import torch
 import zmq
 
 import tandem.kvstore as kvstore
-from tandem.kvstore.ps.protocol import Command, Header, Role, encode_header
+from tandem.kvstore.ps.protocol import Command, Header, Role, encode_header, seal
 
 if kvstore.is_server():  # a server of the job: serve until it ends
     sys.exit(kvstore.serve("dist_sync"))
@@ -29,23 +29,10 @@ hostile = [
     [b"TDKV" + os.urandom(80)],
     [b"\x00" * 5000, b"x", b"y"],
     [encode_header(pull)],  # well-formed but unsigned
-    [encode_header(pull, b"wrong secret")],
+    [seal(encode_header(pull), [], secret=b"wrong secret")],
     [
-        encode_header(
-            Header(
-                Command.PUSH,
-                9,
-                Role.WORKER,
-                0,
-                key="w",
-                dtype=torch.float32,
-                shape=(10,),
-                slice_stop=10,
-                payload_count=1,
-                payload_nbytes=40,
-            ),
-            secret,
-        ),
+        seal(encode_header(Header(Command.PUSH, 9, Role.WORKER, 0, key="w", dtype=torch.float32, shape=(10,),
+                                  slice_stop=10, payload_count=1, payload_nbytes=40)), [b"short"], secret=secret),
         b"short",
     ],  # fmt: skip
 ]
@@ -55,10 +42,10 @@ for address in kv.addresses:
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(address.endpoint)
     # and a signed request from a peer that never said hello: the server knows its peers apart
-    for frames in hostile + [[encode_header(pull, secret)]]:
+    for frames in hostile + [[seal(encode_header(pull), [], secret=secret)]]:
         raw.send_multipart(frames)
     assert not raw.poll(500), "a server answered a rejected message"
-    raw.send_multipart([encode_header(hello, secret), json.dumps({}).encode()])  # signed hello, wrong job
+    raw.send_multipart([seal(encode_header(hello), [b"{}"], secret=secret), json.dumps({}).encode()])  # wrong job
     assert raw.poll(5000), "a server did not answer a signed hello"
     answer = raw.recv_multipart()
     assert b"runs" in answer[-1], answer
