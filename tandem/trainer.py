@@ -530,8 +530,8 @@ class Trainer:
         if marker.get("workers", 1) != self.num_workers:
             raise ValueError(f"checkpoint {directory} was written by {marker.get('workers')} workers; this job has "
                              f"{self.num_workers}: resume with as many workers, or use another checkpoint_dir")  # fmt: skip
-        document = torch.load(checkpoint.worker_file(directory, self.rank), weights_only=True)
-        self.load_state_dict(document["trainer"])
+        document = read_checkpoint(str(checkpoint.worker_file(directory, self.rank)))
+        self.load_state_dict(document)
         position = _FitPosition(**document["fit"])
         if marker.get("server_state"):
             self._server_state_to_load = directory
@@ -553,8 +553,8 @@ class Trainer:
         servers' files (collective: every worker calls it at the same step); worker 0 then marks the
         directory complete and deletes old ones."""
         directory = checkpoint.step_directory(root, self.step_count)
-        atomic_save({"trainer": self.state_dict(), "fit": dataclasses.asdict(position)},
-                    checkpoint.worker_file(directory, self.rank))  # fmt: skip
+        # a Trainer checkpoint (Trainer.load reads it) with the place in the data besides
+        atomic_save({**self.state_dict(), "fit": dataclasses.asdict(position)}, checkpoint.worker_file(directory, self.rank))
         store = self.kvstore
         server_state = getattr(self._update, "server_optimizer", None) is not None
         if server_state:
