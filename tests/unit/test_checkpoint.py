@@ -75,3 +75,24 @@ def test_fit_resumes_mid_epoch_on_the_same_trajectory(tmp_path: Path) -> None:
 def test_checkpoint_every_needs_a_directory() -> None:
     with pytest.raises(ValueError, match="checkpoint_every"):
         _trainer().fit([], checkpoint_every=5)
+
+
+def test_tandem_train_resumes_from_its_checkpoint_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tandem train --checkpoint-dir`: a run that finds a mid-epoch checkpoint finishes the epoch with the
+    record the uninterrupted run printed; one that finds the final checkpoint has nothing left to train."""
+    from tandem.cli import main
+
+    def train(directory: Path) -> str:
+        main(["train", "--model", "mlp", "--data", "digits", "--epochs", "2", "--batch-size", "64",
+              "--max-train-samples", "256", "--max-eval-samples", "64", "--no-progress", "--threads", "1",
+              "--checkpoint-dir", str(directory), "--checkpoint-every", "3", "--out", str(tmp_path / "out")])  # fmt: skip
+        return capsys.readouterr().out
+
+    whole = train(tmp_path / "a")  # 4 steps an epoch: checkpoints at 3, 4 (the first fit's end), 6, 8; 6 and 8 kept
+    assert checkpoint.complete_steps(tmp_path / "a") == [6, 8]
+    shutil.copytree(tmp_path / "a" / "step-000006", tmp_path / "b" / "step-000006")
+    resumed = train(tmp_path / "b")
+    last_epoch = next(line for line in whole.splitlines() if line.startswith("epoch 2:"))
+    assert last_epoch.split(", ")[:3] == next(line for line in resumed.splitlines() if line.startswith("epoch 2:")).split(", ")[:3]
+    assert "epoch 1:" not in resumed, resumed
+    assert "nothing left to train" in train(tmp_path / "a")
