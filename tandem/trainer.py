@@ -320,9 +320,9 @@ class Trainer:
                 batch = as_arguments(item)
                 if self._server_state_to_load is not None:
                     self._load_server_state(batch)
-                loss = self.step(*batch)
-                timed_samples += batch_size_of(batch)
-                position.took(loss, batch_size_of(batch))
+                loss, samples = self.step(*batch), batch_size_of(batch)
+                timed_samples += samples
+                position.took(loss, samples)
                 bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{timed_samples / (time.perf_counter() - start):.0f}",
                                 refresh=False)  # shown at the bar's next redraw (mininterval)
                 if checkpoint_dir is not None and checkpoint_every is not None and self.step_count % checkpoint_every == 0:
