@@ -137,3 +137,22 @@ def test_torchrun_restarts_the_job_and_it_resumes_exactly(
     resumed = re.findall(r"worker (\d) resumes from \S+step-(\d+) ", text)
     assert sorted(rank for rank, _ in resumed) == ["0", "1"] and int(resumed[0][1]) >= 10, text
     _assert_same_parameters(_final(tmp_path, "final"), uninterrupted("dist_sync"), text)
+
+
+@pytest.mark.parametrize("fails_in", [1, 3])
+def test_launch_restarts_until_an_attempt_finishes_or_gives_up(fails_in: int) -> None:
+    """A job whose worker 1 fails in its first ``fails_in`` attempts, under --max-restarts 2: each attempt
+    gets its number; 1 failure: the second attempt finishes (exit 0); 3: all three fail (its exit code)."""
+    script = ("import os, sys; attempt = int(os.environ['TANDEM_RESTART_ATTEMPT']); "
+              "print('attempt', attempt, flush=True); "
+              f"sys.exit(3 if os.environ['TANDEM_RANK'] == '1' and attempt < {fails_in} else 0)")  # fmt: skip
+    command = [sys.executable, "-m", "tandem.launch", "-n", "2", "-s", "0", "--grace", "1", "--max-restarts", "2",
+               "--", sys.executable, "-c", script]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
+    out = result.stdout
+    assert "attempt 1 of 3: worker 1" in out and "exited with code 3" in out, out
+    if fails_in == 1:
+        assert result.returncode == 0 and "[worker 1] attempt 1" in out and "attempt 3" not in out, out
+    else:
+        assert result.returncode == 3 and "[worker 0] attempt 2" in out, out
+        assert "giving up: all 3 attempts failed (--max-restarts 2)" in out, out
