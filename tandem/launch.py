@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -58,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--master-addr", default=None, help="address of the rendezvous store (unset: TANDEM_MASTER_ADDR)"
     )
     parser.add_argument("--master-port", type=int, default=0, help="its port; 0 picks a free one")
+    parser.add_argument("--curve", action="store_true",
+                        help="encrypt every worker-server link with ZeroMQ CURVE: fresh keys per job, each process "
+                             "given only its role's secret key (docs/security.md)")  # fmt: skip
+    parser.add_argument("--no-secret", action="store_true",
+                        help="do not make a per-job TANDEM_PS_SECRET when none is set: messages go unauthenticated "
+                             "(only on a network where every host is trusted)")  # fmt: skip
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping"
     )
@@ -105,6 +113,13 @@ def _base_env(args: argparse.Namespace, master_addr: str, master_port: int) -> d
     threads = int(env.get("TANDEM_NUM_THREADS") or 0) or max(1, (os.cpu_count() or 1) // processes)
     if args.p3:  # like MXNet's launch.py --p3: the script's dist_sync store becomes a P3 store
         env["TANDEM_KVSTORE_P3"] = "1"
+    if not env.get("TANDEM_PS_SECRET") and not args.no_secret:  # secure by default: this job's messages only
+        env["TANDEM_PS_SECRET"] = secrets.token_hex(32)
+    if args.curve:
+        from tandem.kvstore.ps.curve import new_job_keys
+
+        keys = new_job_keys()
+        env.update({**keys["server"], **keys["worker"]})  # _start takes away the other role's secret key
     env.update(
         TANDEM_NUM_WORKERS=str(args.num_workers),
         TANDEM_NUM_SERVERS=str(args.num_servers),
@@ -114,6 +129,9 @@ def _base_env(args: argparse.Namespace, master_addr: str, master_port: int) -> d
         PYTHONUNBUFFERED="1",  # lines reach the prefixer as they are printed
     )
     return env
+
+
+_OTHER_ROLES_SECRET_KEY = {"server": "TANDEM_PS_CURVE_WORKER_SECRET_KEY", "worker": "TANDEM_PS_CURVE_SERVER_SECRET_KEY"}
 
 
 def _forward(child: _Child, stream: IO[bytes], lock: threading.Lock) -> None:
@@ -127,6 +145,7 @@ def _forward(child: _Child, stream: IO[bytes], lock: threading.Lock) -> None:
 def _start(role: str, rank: int, command: list[str], env: dict[str, str], lock: threading.Lock,
            host: Any = None) -> _Child:  # fmt: skip
     child_env = {**env, "TANDEM_ROLE": role, "TANDEM_RANK": str(rank)}
+    child_env.pop(_OTHER_ROLES_SECRET_KEY[role], None)  # a worker must not be able to act as a server
     if host is not None:  # its own network namespace: servers bind to that host's address
         child_env["TANDEM_BIND_ADDR"] = host.address
         command = host.command(command)
@@ -253,8 +272,10 @@ def run(args: argparse.Namespace) -> int:
     hosts = network.hosts if network is not None else [None] * (args.num_servers + args.num_workers)
     # in namespaces the store listens in the root namespace, which every host reaches over the bridge
     master_addr = network.root_address if network is not None else args.master_addr or knob("TANDEM_MASTER_ADDR")
-    store = dist.TCPStore(master_addr, args.master_port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))  # fmt: skip
+    listener = _listen(master_addr, args.master_port)  # the given address only: torch's store binds every interface
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(master_addr, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
+                          master_listen_fd=listener.detach())  # fmt: skip  # the store owns the socket now
     env = _base_env(args, master_addr, store.port)
     lock = threading.Lock()
     children: list[_Child] = []
@@ -271,6 +292,17 @@ def run(args: argparse.Namespace) -> int:
         del store  # closes the rendezvous store only after every child is gone
         if network is not None:
             network.close()
+
+
+def _listen(address: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``address`` alone, for the rendezvous store to serve on."""
+    try:
+        listener = socket.create_server((address, port), family=socket.AF_INET6 if ":" in address else socket.AF_INET,
+                                        backlog=128)  # fmt: skip
+    except OSError as error:
+        raise SystemExit(f"{PREFIX} cannot listen on {address}:{port} for the rendezvous store ({error}); "
+                         f"--master-addr must be an address of this machine") from None  # fmt: skip
+    return listener
 
 
 def _network(args: argparse.Namespace) -> Any:

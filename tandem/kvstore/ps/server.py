@@ -129,7 +129,7 @@ class Server:
     def serve(self) -> int:
         """Publish the endpoint, then run the loop; returns the process exit code."""
         store = connect_store(self.topology, self.options.rendezvous_timeout)
-        publish_server(store, self.rank, self.address)
+        publish_server(store, self.rank, self.address, self.options.secret_bytes)
         log.info("server %d (%s) serving %s", self.rank, self.address, self.options.kind)
         started = time.monotonic()
         try:

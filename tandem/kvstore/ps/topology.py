@@ -10,6 +10,8 @@ Servers publish their two ZeroMQ endpoints in the store; workers read every serv
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import socket
 import statistics
@@ -170,14 +172,29 @@ class ServerAddress:
         return self.endpoint
 
 
-def publish_server(store: dist.TCPStore, rank: int, address: ServerAddress) -> None:
-    store.set(f"{STORE_PREFIX}server/{rank}", address.endpoint)
+def _endpoint_tag(secret: bytes, key: str, endpoint: str) -> str:
+    return hmac.new(secret, f"{key}={endpoint}".encode(), hashlib.sha256).hexdigest()
 
 
-def server_addresses(store: dist.TCPStore, num_servers: int, timeout: float) -> list[ServerAddress]:
-    """Every server's endpoints, waiting up to ``timeout`` seconds for servers to publish them."""
+def publish_server(store: dist.TCPStore, rank: int, address: ServerAddress, secret: bytes = b"") -> None:
+    """Tell workers where server ``rank`` listens; with a secret, the entry is signed (the store itself
+    is not authenticated: whoever reaches it could otherwise send workers to a server of their own)."""
+    key = f"{STORE_PREFIX}server/{rank}"
+    store.set(key, f"{address.endpoint} {_endpoint_tag(secret, key, address.endpoint)}" if secret else address.endpoint)
+
+
+def server_addresses(store: dist.TCPStore, num_servers: int, timeout: float, secret: bytes = b"") -> list[ServerAddress]:
+    """Every server's endpoints, waiting up to ``timeout`` seconds for servers to publish them; with a
+    secret, an entry not signed with it is refused."""
     keys = [f"{STORE_PREFIX}server/{rank}" for rank in range(num_servers)]
-    endpoints = _wait_for(store, keys, timeout, lambda missing: (
+    entries = _wait_for(store, keys, timeout, lambda missing: (
         f"server(s) {missing} did not publish an endpoint within {timeout:.0f} s; did they start (`tandem launch "
         f"-s {num_servers}` or TANDEM_NUM_SERVERS under torchrun)?"))  # fmt: skip
-    return [ServerAddress(endpoint.decode()) for endpoint in endpoints]
+    addresses = []
+    for rank, (key, entry) in enumerate(zip(keys, entries)):
+        endpoint, _, tag = entry.decode("utf-8", "replace").partition(" ")
+        if secret and not hmac.compare_digest(tag, _endpoint_tag(secret, key, endpoint)):
+            raise KVStoreError(f"the endpoint of server {rank} in the rendezvous store ({endpoint!r}) is not signed "
+                               f"with this job's TANDEM_PS_SECRET: another secret, or someone else wrote it")  # fmt: skip
+        addresses.append(ServerAddress(endpoint))
+    return addresses

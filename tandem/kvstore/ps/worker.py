@@ -47,7 +47,8 @@ class DistKVStore(KVStore):
         self.placement = placement or RangePlacement(topology.num_servers, options.bigarray_bound,
                                                      options.max_frame_bytes // 8)  # fmt: skip
         self.rendezvous = connect_store(topology, options.rendezvous_timeout)  # kept: P3's tuner agrees through it
-        self.addresses = server_addresses(self.rendezvous, topology.num_servers, options.rendezvous_timeout)
+        self.addresses = server_addresses(self.rendezvous, topology.num_servers, options.rendezvous_timeout,
+                                          options.secret_bytes)  # fmt: skip
         self._client = Client(self.addresses, topology.rank, options, hello_info(topology, options))
         self._initialised: set[Key] = set()
         self._headers: dict[tuple[Any, ...], Header] = {}  # see _header
