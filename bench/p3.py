@@ -225,12 +225,12 @@ def _step_seconds(reports: list[dict[str, Any]], what: str, output: str, field: 
     return statistics.median(max(values) for values in zip(*(report[field] for report in reports)))
 
 
-def run_tandem(
-    model: str, mode: str, rate: str, runs: int, steps: int, env: dict[str, str]
-) -> dict[str, Any]:
-    """Step seconds of ``mode`` and of its interleaved local compute, the parameter count, the tuner's result."""
+def run_tandem(model: str, mode: str, rate: str, runs: int, steps: int, env: dict[str, str],
+               launch_args: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    """Step seconds of ``mode`` and of its interleaved local compute, the parameter count, the tuner's result
+    (``launch_args``: more options of `tandem launch`)."""
     shaping = [] if rate == "none" else ["--netns-rate", rate]
-    command = [sys.executable, "-m", "tandem.launch", "-n", str(WORKERS), "-s", str(servers(mode)), *shaping,
+    command = [sys.executable, "-m", "tandem.launch", "-n", str(WORKERS), "-s", str(servers(mode)), *shaping, *launch_args,
                *[f"--env={name}={value}" for name, value in env.items()], "--",
                sys.executable, str(Path(__file__).resolve()), "--job", model, mode, str(runs), str(steps)]  # fmt: skip
     result = subprocess.run(
