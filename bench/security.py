@@ -80,7 +80,7 @@ def pushpull(repeats: int) -> dict[str, dict[str, float]]:
     jobs = _pushpull_jobs()
     times: dict[str, dict[str, list[float]]] = {name: {size: [] for size in SIZES} for name in SETTINGS}
     try:
-        for name, (_, _, worker) in jobs.items():
+        for _, _, worker in jobs.values():
             for size, numel in SIZES.items():
                 worker.init(size, torch.zeros(numel))
         values = {size: torch.randn(numel) for size, numel in SIZES.items()}
