@@ -24,7 +24,7 @@ from tandem.kvstore import compression
 from tandem.kvstore.base import Handle, Key, KVStore, Receiver, normalize, reduce_sum
 from tandem.kvstore.compression import COMPRESSIBLE, Compressor, GradientCompression
 from tandem.kvstore.config import DistOptions
-from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, ProtocolError
+from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, ProtocolError, RequestRefused, second_init
 from tandem.kvstore.ps.client import Client, Submission, message_text
 from tandem.kvstore.ps.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.ps.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
@@ -50,7 +50,7 @@ class DistKVStore(KVStore):
         self.addresses = server_addresses(self.rendezvous, topology.num_servers, options.rendezvous_timeout,
                                           options.secret_bytes)  # fmt: skip
         self._client = Client(self.addresses, topology.rank, options, hello_info(topology, options))
-        self._initialised: set[Key] = set()
+        self._initialised: dict[Key, tuple[tuple[int, ...], torch.dtype]] = {}  # key -> its shape and dtype
         self._headers: dict[tuple[Any, ...], Header] = {}  # see _header
         self._plans: dict[tuple[Any, ...], list[Slice]] = {}  # see _plan
         self._compressor: Compressor | None = None  # see set_gradient_compression
@@ -145,16 +145,16 @@ class DistKVStore(KVStore):
 
     def init(self, keys: Key | Sequence[Key], values: Any) -> None:
         items = normalize(keys, values, "init")
-        again = [key for key, _ in items if key in self._initialised]
-        if again:
-            raise KVStoreError(f"init: key(s) {again} are already initialised; init each key once")
+        for key, tensors in items:
+            if key in self._initialised:
+                raise RequestRefused(second_init(key, self._initialised[key], (tuple(tensors[0].shape), tensors[0].dtype)))
         for key, tensors in items:
             itemsize, most = tensors[0].element_size(), self.options.max_frame_bytes
             if any(part.numel * itemsize > most for part in self._plan(key, tensors[0].numel())):
                 raise KVStoreError(f"init: a slice of key {key!r} would carry more than {most} bytes, the frame limit "
                                    f"of every socket (TANDEM_PS_MAX_FRAME_BYTES); make slices smaller (slice_size) "
                                    f"or raise the limit on every process")  # fmt: skip
-        self._initialised.update(key for key, _ in items)
+        self._initialised.update((key, (tuple(tensors[0].shape), tensors[0].dtype)) for key, tensors in items)
         if self.rank == 0:  # one copy is enough; the barrier makes it visible to every worker
             self._send_tensors(Command.INIT, [(k, reduce_sum(v), []) for k, v in items], 0, "init").wait()
         self.barrier()
