@@ -89,6 +89,10 @@ class Incoming:
     message: Message | None
     error: ProtocolError | None = None
 
+    def __post_init__(self) -> None:
+        if self.error is not None:  # its traceback would keep the receiving frame's locals (a rejected
+            self.error.__traceback__ = None  # message's frames, up to gigabytes) alive as long as this
+
 
 def _libzmq_send_const() -> Any:
     """libzmq's ``zmq_send_const`` as linked into pyzmq (None where pyzmq does not export it)."""
