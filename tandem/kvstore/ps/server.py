@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import zmq
 
 from tandem.env import knob
 from tandem.kvstore import compression
@@ -61,6 +62,7 @@ from tandem.kvstore.slots import Slot, SlotId, SlotTable
 log = logging.getLogger("tandem.kvstore.server")
 CONTROL_COMMANDS = frozenset({Command.HELLO, Command.HEARTBEAT, Command.BYE, Command.ABORT})
 PENDING_PER_RANK = 4  # hellos awaiting their first tagged message, per rank (a replayed hello never completes)
+REJECTION_PEERS_KEPT = 4096  # peers whose rejections are counted at once
 LOGGED_PER_PEER = 20  # rejections logged in full per peer; after that one line per 1000 (a flood must not fill disks)
 _ACTIONS = {command: command.name.lower() for command in Command}  # for error messages, named once
 
@@ -237,6 +239,8 @@ class Server:
     def _reject(self, incoming: Incoming, reason: str) -> None:
         self.rejected += 1
         peer = incoming.peer
+        if len(self.rejections) >= REJECTION_PEERS_KEPT:  # every connection is a new peer: bound the table
+            self.rejections.clear()
         count = self.rejections[peer] = self.rejections[peer] + 1
         if count <= LOGGED_PER_PEER or count % 1000 == 0:
             log.warning("server %d rejected message %d from peer %s (%s): %s", self.rank, count, peer.hex(),
@@ -324,9 +328,11 @@ class Server:
         for rank, worker in self.workers.items():
             if not worker.gone:
                 header = Header(Command.ABORT, 0, Role.SERVER, self.rank, response=True)
-                self.transport.send(
-                    worker.peer, header, [memoryview(f"server {self.rank}: {reason}".encode())]
-                )
+                try:  # best effort: the job ends either way, and the launcher stops what is left
+                    self.transport.send(worker.peer, header, [memoryview(f"server {self.rank}: {reason}".encode())])
+                except (ProtocolError, zmq.ZMQError) as error:
+                    log.warning("server %d could not tell worker %d to stop: %s", self.rank, rank, error)
+                    continue
                 log.info("server %d told worker %d to stop", self.rank, rank)
 
     def _slot_id(self, header: Header) -> SlotId:
