@@ -7,7 +7,8 @@ Cases, all measured in one run and interleaved round by round (median of --runs 
 - minimal worker: a kvstore server process driven by the least a worker can do from Python: a
   DEALER that says hello, then sends pre-encoded push and pull headers and receives the pull's
   value into ``out`` on the calling thread (no IO thread, no handles, no per-request encoding).
-  It separates the server's cost from the worker's;
+  It separates the server's cost from the worker's. With ``TANDEM_PS_SECRET`` set (every case then
+  runs with it) it also seals each request under its session and checks each reply's tag;
 - kvstore 1s / 2s: a ``dist_sync`` store with one worker (this process) and 1 or 2 server
   processes: ``push`` then ``pull`` of an N-byte float32 tensor (the result copied into ``out``);
   ``pushpull`` (one message each way) is shown too;
@@ -33,6 +34,7 @@ libzmq's IO threads and the interpreter's threads. Writes bench/out/kvstore_cpu.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import statistics
@@ -55,8 +57,18 @@ sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import bar_plot, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
 from tandem.kvstore.config import DistOptions, P3Options  # noqa: E402
+from tandem.kvstore.ps.auth import Session, handshake_tag, new_nonce  # noqa: E402
 from tandem.kvstore.ps.p3 import P3KVStore  # noqa: E402
-from tandem.kvstore.ps.protocol import Command, Header, Role, decode_header, encode_header, tensor_bytes  # noqa: E402
+from tandem.kvstore.ps.protocol import (  # noqa: E402
+    Command,
+    Header,
+    Role,
+    decode_header,
+    encode_header,
+    seal,
+    split_tag,
+    tensor_bytes,
+)
 from tandem.kvstore.ps.server import hello_info  # noqa: E402
 from tandem.kvstore.ps.topology import Topology, server_addresses  # noqa: E402
 from tandem.kvstore.ps.transport import ZERO_COPY_BYTES, payload_size  # noqa: E402
@@ -193,26 +205,53 @@ def kvstore_job(processes: Processes, servers: int) -> tuple[DistKVStore, dist.T
 class MinimalWorker:
     """The only worker of a one-server job, doing no more than the protocol needs (see the module doc).
 
-    It sends no heartbeats, so its server is started with a long ``TANDEM_PS_TIMEOUT``.
+    It sends no heartbeats, so its server is started with a long ``TANDEM_PS_TIMEOUT``. With a secret
+    it does what the protocol then needs as well: a hello with a nonce, each request sealed under the
+    session both nonces make, each reply's tag checked (``tandem.kvstore.ps.auth``).
     """
 
     def __init__(self, processes: Processes) -> None:
         topology, self._store, (self.server_pid,) = server_job(processes, 1, TANDEM_PS_TIMEOUT="3600")
         options = DistOptions.from_env("dist_sync")
         (address,) = server_addresses(self._store, 1, options.rendezvous_timeout)
-        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, b"worker-0")
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)  # the server's ROUTER names it
         self.socket.setsockopt(zmq.RCVTIMEO, 60_000)  # a bench must not hang on a dead server
         self.socket.connect(address.endpoint)
-        self.request(Header(Command.HELLO, 1, Role.WORKER, 0), json.dumps(hello_info(topology, options)).encode())
+        self.secret, self.session = options.secret_bytes, None
+        nonce = new_nonce()
+        hello = json.dumps({**hello_info(topology, options), "nonce": nonce.hex()}).encode()
+        answer = self.request(Header(Command.HELLO, 1, Role.WORKER, 0), hello)
+        if self.secret:
+            self.session = Session(self.secret, nonce, bytes.fromhex(json.loads(answer)["nonce"]), 0, is_server=False)
 
-    def request(self, header: Header, payload: Any = None) -> None:
-        """Send one request and check its reply (control and init requests: not timed)."""
+    def _seal(self, head: bytes, payloads: list[Any]) -> bytes:
+        """``head`` as the server accepts it: unsigned without a secret, else sealed (a hello with the secret)."""
+        return seal(head, payloads, self.session, self.secret) if self.secret else head
+
+    def _check(self, head: bytes, payloads: list[Any]) -> Header:
+        """The header of a reply, its tag checked over ``payloads`` when the job has a secret."""
+        header = decode_header(head)
+        if not self.secret:
+            return header
+        body, tag = split_tag(head)
+        if header.command is Command.HELLO:
+            problem = None if hmac.compare_digest(tag, handshake_tag(self.secret, body, payloads)) else "bad hello tag"
+        else:
+            assert self.session is not None  # opened by the answer to hello
+            problem = self.session.check(header.sequence, body, tag, payloads)
+        if problem is not None:
+            raise RuntimeError(f"the server's reply failed its check: {problem}")
+        return header
+
+    def request(self, header: Header, payload: Any = None) -> bytes:
+        """Send one request and check its reply (control and init requests: not timed); its payload, if any."""
         payloads = [] if payload is None else [payload]
-        self.socket.send_multipart([encode_header(header, b"", len(payloads), payload_size(payloads)), *payloads])
-        reply = decode_header(self.socket.recv_multipart()[0])
-        if reply.error:
+        head = encode_header(header, len(payloads), payload_size(payloads))
+        self.socket.send_multipart([self._seal(head, payloads), *payloads])
+        reply_head, *frames = self.socket.recv_multipart()
+        if self._check(reply_head, frames).error:
             raise RuntimeError(f"the server refused {header.describe()}")
+        return frames[0] if frames else b""
 
     def push_pull(self, key: str, value: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
         """Init ``key``, then the timed operation: push ``value``, pull into ``out`` (headers encoded once)."""
@@ -222,9 +261,29 @@ class MinimalWorker:
             return Header(command, 1, Role.WORKER, 0, key=key, dtype=value.dtype, shape=(numel,), slice_start=0, slice_stop=numel)
 
         self.request(header(Command.INIT), tensor_bytes(value))
-        push, pull = encode_header(header(Command.PUSH), b"", 1, numel * 4), encode_header(header(Command.PULL))
-        operation, value_bytes, out_bytes = raw_push_pull(self.socket, push, pull), tensor_bytes(value), tensor_bytes(out)
+        push, pull = encode_header(header(Command.PUSH), 1, numel * 4), encode_header(header(Command.PULL))
+        value_bytes, out_bytes = tensor_bytes(value), tensor_bytes(out)
+        if self.secret:
+            return lambda: self._signed_push_pull(push, pull, value_bytes, out_bytes)
+        operation = raw_push_pull(self.socket, push, pull)
         return lambda: operation(value_bytes, out_bytes)
+
+    def _signed_push_pull(self, push: bytes, pull: bytes, payload: memoryview, out: memoryview) -> None:
+        """``raw_push_pull`` with each request sealed and each reply's tag checked (the pull's value still
+        received in place; the server may answer both in one BATCH: its index, then the value)."""
+        socket = self.socket
+        socket.send(self._seal(push, [payload]), zmq.SNDMORE)
+        socket.send(payload, 0, payload.nbytes < ZERO_COPY_BYTES)
+        socket.send(self._seal(pull, []))
+        pulled = False
+        while not pulled:
+            head = socket.recv()
+            frames: list[Any] = [socket.recv()] if decode_header(head).command is Command.BATCH else []
+            if socket.get(zmq.RCVMORE):  # the pull's value
+                socket.recv_into(out)
+                frames.append(out)
+                pulled = True
+            self._check(head, frames)
 
     def close(self) -> None:
         self.request(Header(Command.BYE, 1, Role.WORKER, 0))

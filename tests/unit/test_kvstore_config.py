@@ -36,6 +36,8 @@ BAD_VALUES = [
     ("dist_sync", {"bigarray_bound": 0}, KVStoreOptionError, "bigarray_bound must be >= 1"),
     ("dist_async", {"rendezvous_timeout": -1.0}, KVStoreOptionError, "rendezvous_timeout must be > 0"),
     ("dist_sync", {"secret": 7}, KVStoreOptionError, "secret must be a str"),
+    ("dist_sync", {"max_frame_bytes": 2**20 - 1}, KVStoreOptionError, "max_frame_bytes must be >= 1 MiB"),
+    ("dist_sync", {"max_frame_bytes": 1e9}, KVStoreOptionError, r"max_frame_bytes must be an int >= 1 MiB \(TANDEM_PS_MAX"),
     ("dist_sync", {"exit_on_failure": "yes"}, KVStoreOptionError, "exit_on_failure must be True or False"),
     ("dist_p3", {"water_mark": 0}, KVStoreOptionError, "water_mark must be >= 1"),
     ("dist_p3", {"slice_size": -5}, KVStoreOptionError, "slice_size must be >= 1, or 0 / 'auto'"),
@@ -89,7 +91,11 @@ def test_a_bad_knob_is_refused_at_trainer_time_naming_the_variable(monkeypatch: 
 def test_resolve_fills_unset_options_from_the_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_PS_WATER_MARK", "3")
     monkeypatch.setenv("TANDEM_PS_TIMEOUT", "20")
+    monkeypatch.setenv("TANDEM_PS_MAX_FRAME_BYTES", str(8 * 2**20))
     config = KVStoreConfig.resolve("dist_p3", slice_size="auto", heartbeat=2.0)
+    assert config.dist is not None and config.dist.max_frame_bytes == 8 * 2**20
+    limited = KVStoreConfig.resolve("dist_sync", max_frame_bytes=2**20).dist  # an option beats its knob
+    assert limited is not None and limited.max_frame_bytes == 2**20
     assert config.kind == "dist_p3" and config.distributed
     assert config.p3 == P3Options(0, 3) and config.p3.auto
     assert config.dist is not None and (config.dist.kind, config.dist.heartbeat, config.dist.timeout) == ("dist_sync", 2.0, 20.0)
@@ -130,6 +136,6 @@ def test_trainer_holds_the_resolved_config_beside_its_step_config() -> None:
 
 
 def test_the_option_lists_are_the_dataclasses_fields() -> None:
-    assert set(DIST_OPTIONS) == {"bigarray_bound", "heartbeat", "timeout", "secret", "bind_addr", "rendezvous_timeout",
-                                 "exit_on_failure"}  # fmt: skip
+    assert set(DIST_OPTIONS) == {"bigarray_bound", "heartbeat", "timeout", "secret", "bind_addr", "max_frame_bytes",
+                                 "rendezvous_timeout", "exit_on_failure"}  # fmt: skip
     assert P3_OPTIONS == ("slice_size", "water_mark")

@@ -47,3 +47,31 @@ def test_invalid_configuration_is_named() -> None:
         RangePlacement(0)
     with pytest.raises(ValueError, match="BIGARRAY_BOUND"):
         RangePlacement(2, 0)
+
+
+@given(st.integers(0, 5_000), st.integers(1, 4), st.integers(1, 60), st.integers(1, 700))
+def test_parts_bigger_than_max_slice_numel_are_cut_on_their_server(numel: int, servers: int, bound: int,
+                                                                   most: int) -> None:  # fmt: skip
+    """Every piece fits ``max_slice_numel``; the pieces cover [0, numel) once, in order, and each lies on
+    the server whose part it was cut from (the plan without the limit)."""
+    whole = RangePlacement(servers, bound).plan("k", numel)
+    pieces = RangePlacement(servers, bound, most).plan("k", numel)
+    assert pieces[0].start == 0 and pieces[-1].stop == numel
+    assert all(a.stop == b.start for a, b in zip(pieces, pieces[1:]))
+    assert all(piece.numel <= most for piece in pieces)
+    assert all(piece.numel > 0 for piece in pieces) or pieces == whole  # only an empty array has an empty piece
+    for piece in pieces:
+        (part,) = [part for part in whole if part.start <= piece.start and piece.stop <= part.stop]
+        assert piece.server == part.server
+    if all(part.numel <= most for part in whole):
+        assert pieces == whole  # nothing to cut: the plan is the same
+
+
+def test_cutting_examples_and_an_invalid_limit_named() -> None:
+    assert RangePlacement(2, bigarray_bound=10, max_slice_numel=4).plan("w", 11) == [
+        Slice(0, 0, 4), Slice(0, 4, 5), Slice(1, 5, 9), Slice(1, 9, 11)]  # fmt: skip
+    server = stable_server("w", 3)
+    assert RangePlacement(3, bigarray_bound=100, max_slice_numel=3).plan("w", 7) == [
+        Slice(server, 0, 3), Slice(server, 3, 6), Slice(server, 6, 7)]  # fmt: skip
+    with pytest.raises(ValueError, match="max_slice_numel must be >= 1 .TANDEM_PS_MAX_FRAME_BYTES"):
+        RangePlacement(2, 10, 0)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.kvstore.errors import ProtocolError
+from tandem.kvstore.ps.auth import TAG_BYTES, Session, handshake_tag
 from tandem.kvstore.ps.protocol import (
     FIXED,
     Command,
@@ -22,6 +23,9 @@ from tandem.kvstore.ps.protocol import (
     decode_header,
     encode_header,
     encode_reply,
+    is_handshake,
+    seal,
+    split_tag,
     state_from_payloads,
     state_payloads,
     tensor_bytes,
@@ -37,13 +41,22 @@ def _push(key: int | str = "w", shape: tuple[int, ...] = (7, 3, 5), **changes: o
     return Header(**fields)  # type: ignore[arg-type]
 
 
+def _signed(frame: bytes, secret: bytes, payloads: list[object] | None = None) -> bytes:
+    """``frame`` as a job with ``secret`` sends it: sealed under a fresh session (sequence number 1),
+    or unsigned without a secret."""
+    if not secret:
+        return frame
+    return seal(frame, payloads or [], Session(secret, b"w" * 16, b"s" * 16, 1, is_server=False))
+
+
 @pytest.mark.parametrize("key", [0, 17, -5, "layer.0.weight", "ключ"])
 @pytest.mark.parametrize("secret", [b"", b"s3cret"])
 @pytest.mark.parametrize("receipt", [False, True])
 @pytest.mark.parametrize("compressed", [False, True])
 def test_header_round_trip(key: int | str, secret: bytes, receipt: bool, compressed: bool) -> None:
     header = _push(key, receipt=receipt, compressed=compressed)
-    assert decode_header(encode_header(header, secret), secret) == header
+    decoded = decode_header(_signed(encode_header(header), secret))
+    assert decoded == replace(header, signed=bool(secret), sequence=1 if secret else 0)
 
 
 def test_message_round_trip_views_tensor_without_copy() -> None:
@@ -76,11 +89,11 @@ def _corrupt(offset_field: int, value: object) -> bytes:
         (_corrupt(1, 99), "protocol version 99"),
         (_corrupt(2, 200), "unknown command"),
         (_corrupt(3, 0x80), "unknown flag"),
-        (_corrupt(11, 77), "unknown dtype"),
-        (_corrupt(12, 40), "dimensions"),
-        (_corrupt(14, 106), "outside an array"),
-        (_corrupt(9, 9), "unknown key kind"),
-        (_corrupt(10, 5), "header length"),
+        (_corrupt(12, 77), "unknown dtype"),
+        (_corrupt(13, 40), "dimensions"),
+        (_corrupt(15, 106), "outside an array"),
+        (_corrupt(10, 9), "unknown key kind"),
+        (_corrupt(11, 5), "header length"),
     ],
 )
 def test_malformed_headers_are_rejected_with_reason(frame: bytes, reason: str) -> None:
@@ -98,18 +111,28 @@ def test_payload_count_and_size_are_checked() -> None:
         tensor_from_bytes(memoryview(b"abc"), torch.float32, 1)
 
 
-def test_secret_mismatches_are_rejected() -> None:
-    signed = encode_header(_push(), b"right")
-    with pytest.raises(ProtocolError, match="signature"):
-        decode_header(signed, b"wrong")
-    with pytest.raises(ProtocolError, match="unauthenticated"):
-        decode_header(encode_header(_push()), b"right")
-    with pytest.raises(ProtocolError, match="no TANDEM_PS_SECRET"):
-        decode_header(signed)
-    tampered = bytearray(signed)
-    tampered[12] ^= 1  # flip a bit of the request id
-    with pytest.raises(ProtocolError, match="signature"):
-        decode_header(bytes(tampered), b"right")
+def test_decoding_checks_the_format_only_and_seal_marks_and_tags_the_frame() -> None:
+    """Whether a tag is right is the transport's check (``test_auth``): decoding only strips it."""
+    header = _push()
+    frame = encode_header(header)
+    session = Session(b"right", b"w" * 16, b"s" * 16, 1, is_server=False)
+    sealed = seal(frame, [b"x" * 420], session)
+    assert len(sealed) == len(frame) + TAG_BYTES
+    body, tag = split_tag(sealed)
+    assert body[7] == frame[7] | 4 and body[:7] + body[32:] == frame[:7] + frame[32:]  # the SIGNED flag,
+    assert body[8:24] == frame[8:24] and body[24:32] == (1).to_bytes(8, "little")  # and sequence number 1
+    assert len(tag) == TAG_BYTES and decode_header(sealed) == replace(header, signed=True, sequence=1)
+    assert decode_header(seal(frame, [b"x" * 420], session)).sequence == 2  # each seal takes the next number
+    assert decode_header(seal(frame, [], secret=b"wrong")).signed  # a wrong tag still decodes: format only
+    handshake = seal(encode_header(Header(Command.HELLO, 1, Role.WORKER, 0)), [b"{}"], secret=b"right")
+    assert is_handshake(handshake) and not is_handshake(sealed) and not is_handshake(b"")
+    body, tag = split_tag(handshake)
+    assert tag == handshake_tag(b"right", body, [b"{}"]) != handshake_tag(b"wrong", body, [b"{}"])
+    assert decode_header(handshake).sequence == 0  # a handshake is numbered by no session
+    short = bytearray(frame[: FIXED.size])
+    short[7] |= 4  # the SIGNED flag on a frame with no room for a tag
+    with pytest.raises(ProtocolError, match="signed header of"):
+        decode_header(bytes(short))
 
 
 @settings(max_examples=300, deadline=None)
@@ -138,19 +161,19 @@ def test_single_byte_corruption_is_caught_or_harmless(position: int, byte: int) 
 @pytest.mark.parametrize("compressed", [False, True])
 def test_encode_reply_equals_the_reply_header(secret: bytes, error: bool, compressed: bool) -> None:
     request = _push(shape=(105,), receipt=True, compressed=True)  # a reply is compressed only when it says so
-    fast = decode_header(encode_reply(request, 3, secret, 1, 420, error, compressed), secret)
+    fast = decode_header(_signed(encode_reply(request, 3, 1, 420, error, compressed), secret))
     slow = request.reply(Role.SERVER, 3, error=error, payload_count=1, payload_nbytes=420, compressed=compressed)
-    assert fast == replace(slow, timestamp=fast.timestamp)
+    assert fast == replace(slow, timestamp=fast.timestamp, signed=bool(secret), sequence=1 if secret else 0)
 
 
 def test_key_cache_keeps_bools_and_int_subclasses_apart() -> None:
     class Layer(IntEnum):
         FIRST = 1
 
-    assert decode_header(encode_header(_push(1)), b"").key == 1
+    assert decode_header(encode_header(_push(1))).key == 1
     with pytest.raises(TypeError, match="int or str"):
         encode_header(_push(True))  # would hit the cached entry of 1 if the cache ignored the type
-    assert decode_header(encode_header(_push(Layer.FIRST)), b"").key == 1
+    assert decode_header(encode_header(_push(Layer.FIRST))).key == 1
 
 
 def test_tensor_bytes_views_memory_of_every_dtype_in_order() -> None:
@@ -190,13 +213,14 @@ def test_slot_state_round_trips_and_bad_tables_are_rejected() -> None:
 @pytest.mark.parametrize("secret", [b"", b"s3cret"])
 def test_a_reused_header_is_packed_once_and_sent_with_each_request_id(secret: bytes) -> None:
     header = _push()
-    first = decode_header(encode_header(header, secret, request_id=7), secret)
-    second = decode_header(encode_header(header, secret, request_id=8), secret)
+    sent = replace(header, signed=bool(secret), sequence=1 if secret else 0)  # as it arrives
+    first = decode_header(_signed(encode_header(header, request_id=7), secret))
+    second = decode_header(_signed(encode_header(header, request_id=8), secret))
     assert (first.request_id, second.request_id) == (7, 8)
-    assert first == replace(header, request_id=7) and second == replace(header, request_id=8)
-    resized = decode_header(encode_header(header, secret, payload_count=2, payload_nbytes=9), secret)
+    assert first == replace(sent, request_id=7) and second == replace(sent, request_id=8)
+    resized = decode_header(_signed(encode_header(header, payload_count=2, payload_nbytes=9), secret))
     assert (resized.payload_count, resized.payload_nbytes) == (2, 9)  # a different size is packed anew
-    assert decode_header(encode_header(header, secret), secret) == header  # and the first size still holds
+    assert decode_header(_signed(encode_header(header), secret)) == sent  # and the first size still holds
 
 
 def test_a_header_decoded_again_equals_a_fresh_parse() -> None:
@@ -214,14 +238,23 @@ def test_a_header_decoded_again_equals_a_fresh_parse() -> None:
     assert changed.priority == 9  # any other byte differing is another header
 
 
-def test_a_signed_header_is_verified_every_time() -> None:
+def test_a_signed_header_is_looked_up_by_its_format_and_its_tag_checked_every_time() -> None:
+    """A signed frame seen before is looked up like an unsigned one (its tag and sequence number are
+    not part of the lookup), and its tag is still checked per message: changing the request id under
+    the same tag decodes, but the session refuses it."""
     header = _push(key="signed-key", shape=(105,))
-    frame = encode_header(header, b"s3cret", request_id=1)
-    assert decode_header(frame, b"s3cret").request_id == 1
-    forged = bytearray(frame)
-    struct.pack_into("<Q", forged, 8, 2)  # another request id under the same MAC
-    with pytest.raises(ProtocolError, match="bad message signature"):
-        decode_header(bytes(forged), b"s3cret")
+    sender = Session(b"s3cret", b"w" * 16, b"s" * 16, 1, is_server=False)
+    receiver = Session(b"s3cret", b"w" * 16, b"s" * 16, 1, is_server=True)
+    for request_id in (1, 2):
+        frame = seal(encode_header(header, request_id=request_id), [], sender)
+        decoded = decode_header(frame)
+        assert (decoded.request_id, decoded.sequence, decoded.signed) == (request_id, request_id, True)
+        assert receiver.check(decoded.sequence, *split_tag(frame), []) is None
+    forged = bytearray(seal(encode_header(header, request_id=3), [], sender))
+    struct.pack_into("<Q", forged, 8, 4)  # another request id under the same tag
+    assert decode_header(bytes(forged)).request_id == 4  # well-formed: decoding says nothing about the tag
+    problem = receiver.check(3, *split_tag(bytes(forged)), [])
+    assert problem is not None and "bad message tag" in problem
 
 
 @pytest.mark.parametrize("error", [False, True])
@@ -230,6 +263,6 @@ def test_replies_packed_once_carry_each_request_id(error: bool) -> None:
     for request_id, count, nbytes in [(5, 1, 420), (6, 1, 420), (7, 0, 0)]:
         asked = replace(request, request_id=request_id)
         asked.__dict__["_replies"] = request.__dict__["_replies"]  # as decode_header shares it
-        reply = decode_header(encode_reply(asked, 2, b"", count, nbytes, error))
+        reply = decode_header(encode_reply(asked, 2, count, nbytes, error))
         slow = asked.reply(Role.SERVER, 2, error=error, payload_count=count, payload_nbytes=nbytes)
         assert reply == replace(slow, timestamp=reply.timestamp)

@@ -22,7 +22,7 @@ def connection() -> Iterator[tuple[zmq.Socket, WorkerTransport]]:
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.RCVTIMEO, 10_000)  # a broken send fails the test instead of hanging it
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    worker = WorkerTransport(b"", [f"tcp://127.0.0.1:{port}"], identity=b"w", send_timeout=10.0)
+    worker = WorkerTransport(b"", [f"tcp://127.0.0.1:{port}"], send_timeout=10.0)
     yield router, worker
     worker.close()
     context.destroy(linger=0)

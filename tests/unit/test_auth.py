@@ -1,0 +1,247 @@
+"""Authentication of whole messages (``auth``): session tags in both directions, every kind of change
+to a message rejected, the replay window, the handshake tag, and the transports doing the checks over
+a real ZeroMQ connection on 127.0.0.1 (sessions per connection, replays, the frame size limit)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from tandem.kvstore.errors import ProtocolError
+from tandem.kvstore.ps.auth import TAG_BYTES, ReplayWindow, Session, handshake_tag
+from tandem.kvstore.ps.protocol import (
+    Command,
+    Header,
+    Role,
+    decode,
+    decode_header,
+    encode_header,
+    seal,
+    split_tag,
+    tensor_bytes,
+    tensor_from_bytes,
+)
+from tandem.kvstore.ps.transport import ServerTransport, WorkerTransport, _Endpoint
+from tests.unit.ps_wire import SECRET, SERVER_NONCE, WORKER_NONCE, handshake, poll_until, session_pair
+
+PUSH = Header(Command.PUSH, 7, Role.WORKER, 1, key="w", dtype=torch.float32, shape=(3,), slice_stop=3)
+HELLO = Header(Command.HELLO, 1, Role.WORKER, 1)
+
+
+def _frames(sender: Session, payloads: Sequence[Any], header: Header = PUSH) -> tuple[int, bytes, bytes]:
+    """A message of ``header`` and ``payloads`` sealed by ``sender``: its sequence number, body and tag."""
+    frame = seal(encode_header(header, len(payloads), sum(memoryview(p).nbytes for p in payloads)), payloads, sender)
+    return (decode_header(frame).sequence, *split_tag(frame))
+
+
+# -- sessions ---------------------------------------------------------------------------------------
+
+
+def test_a_session_round_trips_in_both_directions_with_a_key_per_direction() -> None:
+    worker, server = session_pair()
+    payloads = [b"abcd", memoryview(bytearray(b"efgh" * 2))]
+    sequence, body, tag = _frames(worker, payloads)
+    assert sequence == 1 and len(tag) == TAG_BYTES
+    assert server.check(sequence, body, tag, payloads) is None
+    answer = _frames(server, payloads)
+    assert answer[0] == 1  # each side numbers its own messages
+    assert worker.check(*answer, payloads) is None
+    assert worker.tag(1, body, payloads) != server.tag(1, body, payloads)  # one key per direction
+    reflected = worker.tag(2, body, payloads)  # a worker's own message sent back to it
+    assert worker.check(2, body, reflected, payloads) is not None
+    other_rank = Session(SECRET, WORKER_NONCE, SERVER_NONCE, 2, is_server=True)  # the rank is part of the key
+    assert other_rank.check(*_frames(worker, payloads), payloads) is not None
+
+
+@pytest.mark.parametrize("change", ["payload byte", "header byte", "bytes moved between frames", "wrong secret",
+                                    "sequence number", "a frame dropped"])  # fmt: skip
+def test_a_changed_message_is_rejected_and_the_genuine_one_still_accepted(change: str) -> None:
+    worker, server = session_pair()
+    payloads: list[bytes] = [b"abc", b"defg"]
+    sequence, body, tag = _frames(worker, payloads)
+    checker, got_sequence, got_body, got = server, sequence, body, list(payloads)
+    if change == "payload byte":
+        got[1] = b"defh"
+    elif change == "header byte":
+        changed = bytearray(body)
+        changed[8] ^= 1  # the request id
+        got_body = bytes(changed)
+    elif change == "bytes moved between frames":
+        got = [b"abcd", b"efg"]  # the same bytes in the same order: only the lengths tell
+    elif change == "wrong secret":
+        checker = session_pair(b"not the secret")[1]
+    elif change == "sequence number":
+        got_sequence = sequence + 1
+    else:
+        got = got[:1]
+    problem = checker.check(got_sequence, got_body, tag, got)
+    assert problem is not None and "bad message tag" in problem
+    assert server.check(sequence, body, tag, payloads) is None  # a rejected message used up no number
+
+
+def test_the_replay_window_accepts_each_number_once_within_its_size() -> None:
+    worker, server = session_pair()
+    body = encode_header(PUSH)
+
+    def check(sequence: int) -> str | None:
+        return server.check(sequence, body, worker.tag(sequence, body, []), [])
+
+    assert check(1) is None
+    assert "replayed" in str(check(1))
+    for sequence in (5, 3, 4, 2):  # out of order within the window: each once
+        assert check(sequence) is None
+    assert all("replayed" in str(check(sequence)) for sequence in (2, 3, 4, 5))
+    top = 10 + ReplayWindow.SIZE
+    assert check(top) is None
+    assert "too old" in str(check(top - ReplayWindow.SIZE))  # out of the window: never seen, still refused
+    assert check(top - ReplayWindow.SIZE + 1) is None  # the oldest number the window holds
+    assert check(6) is not None and check(0) is not None
+
+
+def test_a_replay_window_edge_cases() -> None:
+    window = ReplayWindow()
+    assert not window.accept(0) and not window.accept(-1)
+    assert window.accept(3 * ReplayWindow.SIZE)  # a jump beyond the window forgets what it saw
+    assert not window.accept(3 * ReplayWindow.SIZE)
+    assert window.accept(3 * ReplayWindow.SIZE - 1) and not window.accept(2 * ReplayWindow.SIZE)
+
+
+def test_a_handshake_tag_needs_the_secret_and_covers_the_payloads() -> None:
+    body, tag = split_tag(seal(encode_header(HELLO, 1, 2), [b"{}"], secret=SECRET))
+    assert tag == handshake_tag(SECRET, body, [b"{}"])
+    assert tag != handshake_tag(b"wrong", body, [b"{}"])
+    assert tag != handshake_tag(SECRET, body, [b"{ }"]) and tag != handshake_tag(SECRET, body, [b"{", b"}"])
+
+
+# -- where the transports check ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def endpoint() -> Iterator[_Endpoint]:
+    """The checks every transport runs on what it receives, with ``SECRET``."""
+    checker = _Endpoint(SECRET, 2**62, None)
+    yield checker
+    checker.close()
+
+
+def _authenticate(checker: _Endpoint, session: Session | None, frame: bytes, payloads: Sequence[Any] = ()) -> None:
+    checker._authenticate(session, frame, decode_header(frame), payloads)
+
+
+def test_the_transport_rejects_what_is_not_signed_as_the_job_requires(endpoint: _Endpoint) -> None:
+    hello = encode_header(HELLO, 1, 2)
+    _authenticate(endpoint, None, seal(hello, [b"{}"], secret=SECRET), [b"{}"])  # a hello needs no session
+    with pytest.raises(ProtocolError, match="bad hello tag"):
+        _authenticate(endpoint, None, seal(hello, [b"{}"], secret=b"wrong"), [b"{}"])
+    with pytest.raises(ProtocolError, match="unauthenticated"):
+        _authenticate(endpoint, None, hello)
+    worker, server = session_pair()
+    push = encode_header(PUSH, 0, 0)
+    with pytest.raises(ProtocolError, match="without a session"):
+        _authenticate(endpoint, None, seal(push, [], worker))
+    with pytest.raises(ProtocolError, match="bad message tag"):
+        _authenticate(endpoint, server, seal(push, [], session_pair(b"wrong")[0]))
+    with pytest.raises(ProtocolError, match="bad message tag"):  # a hello-style tag is no session tag
+        _authenticate(endpoint, server, seal(push, [], secret=SECRET))
+    signed = seal(push, [], worker)
+    _authenticate(endpoint, server, signed)
+    with pytest.raises(ProtocolError, match="replayed"):
+        _authenticate(endpoint, server, signed)
+    unsigned = _Endpoint(b"", 2**62, None)
+    try:
+        _authenticate(unsigned, None, push)
+        with pytest.raises(ProtocolError, match="no TANDEM_PS_SECRET"):
+            _authenticate(unsigned, None, seal(hello, [b"{}"], secret=SECRET), [b"{}"])
+    finally:
+        unsigned.close()
+
+
+def test_sealing_needs_a_session_except_for_the_handshake(endpoint: _Endpoint) -> None:
+    assert endpoint._seal(None, encode_header(HELLO), []) != encode_header(HELLO)
+    with pytest.raises(ProtocolError, match="no authenticated session"):
+        endpoint._seal(None, encode_header(PUSH), [])
+
+
+@pytest.fixture
+def secured() -> Iterator[tuple[ServerTransport, WorkerTransport, bytes]]:
+    """A server and a worker transport with ``SECRET`` after a hello (both holding the session), and
+    the worker's routing id."""
+    server = ServerTransport(SECRET, "127.0.0.1")
+    worker = WorkerTransport(SECRET, [f"tcp://127.0.0.1:{server.port}"], send_timeout=10.0)
+    peer = handshake(server, worker)
+    yield server, worker, peer
+    worker.close()
+    server.close()
+
+
+def test_a_session_message_goes_through_and_its_replays_are_rejected(
+        secured: tuple[ServerTransport, WorkerTransport, bytes], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    server, worker, peer = secured
+    assert set(server.sessions) == {peer} and worker.sessions[0] is not None
+    transmitted: list[tuple[bytes, list[Any]]] = []
+    transmit = worker._transmit
+
+    def recording(target: int, head: bytes, payloads: Sequence[Any], wait: bool) -> None:
+        transmitted.append((head, [bytes(payload) for payload in payloads]))
+        transmit(target, head, payloads, wait)
+
+    monkeypatch.setattr(worker, "_transmit", recording)
+    value = torch.arange(3, dtype=torch.float32)
+    worker.send(0, PUSH, [tensor_bytes(value)])
+    (item,) = poll_until(lambda: server.poll(0.1), 1)
+    assert item.error is None and item.message is not None and item.peer == peer
+    assert item.message.header.signed and item.message.header.sequence == 1
+    assert torch.equal(tensor_from_bytes(item.message.payloads[0], torch.float32, 3), value)
+    server.reply(peer, item.message.header, 0)
+    (reply,) = poll_until(lambda: worker.poll(0.1), 1)
+    assert reply.error is None and reply.message is not None and reply.message.header.signed
+    (head, payloads), = transmitted
+    assert decode([head, *payloads]).header.sequence == 1
+
+    stranger = zmq.Context()
+    try:  # the exact frames again from another connection: its routing id has no session
+        raw = stranger.socket(zmq.DEALER)
+        raw.connect(f"tcp://127.0.0.1:{server.port}")
+        raw.send_multipart([head, *payloads])
+        (replayed,) = poll_until(lambda: server.poll(0.1), 1)
+        assert replayed.peer != peer and replayed.message is None
+        assert "without a session" in str(replayed.error)
+    finally:
+        stranger.destroy(linger=0)
+    transmit(0, head, payloads, True)  # and on the worker's own connection: the number was seen
+    (again,) = poll_until(lambda: server.poll(0.1), 1)
+    assert again.peer == peer and again.message is None and "replayed" in str(again.error)
+    worker.send(0, PUSH, [tensor_bytes(value)])  # the session goes on
+    (later,) = poll_until(lambda: server.poll(0.1), 1)
+    assert later.message is not None and later.message.header.sequence == 2
+    server.close_session(peer)
+    with pytest.raises(ProtocolError, match="no authenticated session"):
+        server.reply(peer, later.message.header, 0)
+
+
+def test_a_frame_above_the_limit_drops_its_sender_before_it_is_buffered() -> None:
+    limit = 2**20
+    server = ServerTransport(b"", "127.0.0.1", max_frame_bytes=limit)
+    monitor = server.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor.setsockopt(zmq.RCVTIMEO, 10_000)
+    context = zmq.Context()
+    try:
+        raw = context.socket(zmq.DEALER)
+        raw.connect(f"tcp://127.0.0.1:{server.port}")
+        fits = bytes(limit)
+        raw.send_multipart([encode_header(PUSH, 1, limit), fits])  # at the limit: delivered
+        (item,) = poll_until(lambda: server.poll(0.1), 1)
+        assert item.error is None and item.message is not None
+        raw.send_multipart([encode_header(PUSH, 1, limit + 1), bytes(limit + 1)])
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        assert server.poll(0.5) == []  # nothing of it reached the poll
+    finally:
+        context.destroy(linger=0)
+        server.socket.disable_monitor()
+        monitor.close(linger=0)
+        server.close()
