@@ -76,7 +76,7 @@ class _Rendezvous:
         self.error: BaseException | None = None
         self.done = threading.Event()
 
-    def reply(self, message: Message) -> None:
+    def reply(self, message: Message | None) -> None:
         self.remaining -= 1
         if self.remaining == 0:
             self.done.set()
@@ -411,6 +411,9 @@ class Client:
 
     def _send_to_all(self, command: Command, rendezvous: _Rendezvous, payloads: list[memoryview]) -> None:
         for server in range(len(self.addresses)):
+            if command is not Command.HELLO and self.options.secret and self.transport.sessions[server] is None:
+                rendezvous.reply(None)  # never connected (its hello failed): nothing to say, nothing it could check
+                continue
             on_reply = partial(self._hello_answered, server) if command is Command.HELLO else rendezvous.reply
             request_id = self._register(_Request(server, on_reply, rendezvous.fail))
             self.transport.send(server, Header(command, request_id, Role.WORKER, self.rank), payloads)
