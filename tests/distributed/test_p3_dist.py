@@ -30,9 +30,8 @@ SHAPES: dict[str | int, tuple[int, ...]] = {
 def _run(
     mode: str, kind: str, workers: int, servers: int, out: Path, env: dict[str, str] | None = None
 ) -> str:
-    result = run_job(
-        str(Path(__file__).resolve()), workers, servers, mode, kind, str(out), env={**SLICE, **(env or {})}
-    )
+    result = run_job(str(Path(__file__).resolve()), workers, servers, mode, kind, str(out),
+                     env={**SLICE, "TANDEM_PS_CHECKPOINT_DIR": str(out), **(env or {})})  # servers save under out
     assert len(worker_lines(result.stdout, f"{mode} OK")) == workers, result.stdout
     return result.stdout
 
