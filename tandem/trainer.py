@@ -15,9 +15,11 @@ torch.optim.Optimizer bound to the module's parameters works too (gradients go t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import sys
 import time
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -40,6 +42,7 @@ from tandem.step import compile as compile_step
 from tandem.update import DistributedUpdate, LocalUpdate, OptimizerApply, Update
 
 CHECKPOINT_FORMAT = 1
+_RESUMES = itertools.count()  # fit's resumes in this process: names each one's agreement in the rendezvous store
 
 
 @dataclass
@@ -288,8 +291,12 @@ class Trainer:
         optimizer state (a server-side optimizer), and the place in the epoch (the batches already
         taken are skipped, so the run takes the same batches as one never interrupted; the data must
         be a Dataset, or an iterable with the same order every time). ``epochs`` then counts from
-        where the interrupted run started: it finishes where that one would have. Every worker of a
-        distributed job must see the same directory (a shared filesystem across machines).
+        where the interrupted run started: it finishes where that one would have (a checkpoint that
+        already finished them: a line saying so, nothing trained). Every worker of a distributed job
+        must see the same directory (a shared filesystem across machines): a checkpoint missing a
+        worker's file, or workers seeing different newest checkpoints, raise ``CheckpointError``.
+        When a file of the newest checkpoint cannot be read, every worker falls back to the previous
+        complete one (with a warning naming the file).
 
         Returns one record per epoch trained in this call: train loss, samples/s, and eval
         loss/accuracy when given.
@@ -522,23 +529,52 @@ class Trainer:
         """Load the newest complete checkpoint under ``root`` if it is ahead of this trainer (a restarted
         job); its place in the data, or None when there is nothing to resume from.
 
-        Every worker of a job takes the same one: they all start at step 0 and read the same directory."""
-        found = checkpoint.latest(root)
-        if found is None or found[0] <= self.step_count:
+        Collective in a distributed job (``tandem.checkpoint.resume_point``): the workers agree through
+        the kvstore's rendezvous store on the step they resume from, the newest that every one of them
+        can read (a damaged file: all fall back to the previous checkpoint), and fail naming each
+        worker's step when they see different checkpoints (``root`` not shared)."""
+
+        def read(directory: Path) -> tuple[dict[str, Any], _FitPosition]:
+            document = read_checkpoint(str(checkpoint.worker_file(directory, self.rank)))
+            try:
+                return document, _FitPosition(**document["fit"])
+            except (KeyError, TypeError) as error:
+                raise ValueError(f"{checkpoint.worker_file(directory, self.rank)} holds no place in the data "
+                                 f"for fit ({type(error).__name__}: {error})") from None  # fmt: skip
+
+        found = checkpoint.resume_point(root, self.step_count, read, self._gather_over_workers(), self.rank,
+                                        self.num_workers)  # fmt: skip
+        if found is None:
             return None  # nothing there, or this trainer wrote it itself (a later fit call of the same run)
-        step, directory, marker = found
-        if marker.get("workers", 1) != self.num_workers:
-            raise ValueError(f"checkpoint {directory} was written by {marker.get('workers')} workers; this job has "
-                             f"{self.num_workers}: resume with as many workers, or use another checkpoint_dir")  # fmt: skip
-        document = read_checkpoint(str(checkpoint.worker_file(directory, self.rank)))
+        step, directory, marker, (document, position) = found.step, found.directory, found.marker, found.loaded
         self.load_state_dict(document)
-        position = _FitPosition(**document["fit"])
         if marker.get("server_state"):
             self._server_state_to_load = directory
         self._checkpointed_step = step
         print(f"tandem: worker {self.rank} resumes from {directory} (step {step}, epoch {self.epoch + 1}, "
               f"{position.batches_done} batches into it)", file=sys.stderr, flush=True)  # fmt: skip
+        if self.epoch >= position.end_epoch and self.rank == 0:
+            print(f"tandem: checkpoint at step {step} already finished {self.epoch} epochs; nothing to train "
+                  f"(fit's epochs count from where the checkpointed run started; train on with another "
+                  f"checkpoint_dir)", file=sys.stderr, flush=True)  # fmt: skip
         return position
+
+    def _gather_over_workers(self) -> checkpoint.Gather:
+        """Every worker's text in rank order, through the kvstore's rendezvous store (collective; each
+        call of the returned function once on every worker, in the same order); alone: ``[text]``."""
+        store = self.kvstore
+        if store is None or self.num_workers == 1:
+            return lambda text: [text]
+        if hasattr(store, "_gather"):  # the collective store's own: named per call, ends with the job
+            return lambda text: store._gather("checkpoint-resume", text)
+        from tandem.env import knob
+        from tandem.kvstore.ps.topology import gather_over_workers
+
+        job = zlib.crc32(" ".join(address.endpoint for address in store.addresses).encode())
+        prefix = f"checkpoint-resume/{job:08x}/{next(_RESUMES)}"  # unique per job incarnation (servers' ports) and fit call
+        calls = itertools.count()
+        return lambda text: gather_over_workers(store.rendezvous, f"{prefix}/{next(calls)}", self.rank, self.num_workers,
+                                                text, knob("TANDEM_PS_WAIT_TIMEOUT"))  # fmt: skip
 
     def _load_server_state(self, batch: tuple[Any, ...]) -> None:
         """Before the first step after a resume: join the kvstore's keys as that step would (the servers
@@ -562,6 +598,7 @@ class Trainer:
         elif store is not None:
             store.barrier()  # every worker's file is written before the directory counts
         if self.rank == 0:
+            checkpoint.check_worker_files(directory, self.num_workers)  # not there: checkpoint_dir is not shared
             checkpoint.mark_complete(directory, {
                 "step": self.step_count, "epoch": self.epoch, "workers": self.num_workers,
                 "servers": store.num_servers if store is not None else 0, "server_state": server_state})  # fmt: skip
