@@ -5,7 +5,8 @@
   with ``Trainer.fit(checkpoint_dir=..., checkpoint_every=...)`` (dist_sync, optimizer on the servers):
   the job restarts, resumes from its last checkpoint, exits 0, and ends with the parameters of a run
   never interrupted; the same with a worker of a ``collective`` job (no servers);
-- the same under ``torchrun --max-restarts``.
+- the same under ``torchrun --max-restarts``;
+- workers whose checkpoint directories differ (no shared filesystem) fail at the resume, naming each one's step.
 """
 
 from __future__ import annotations
@@ -156,3 +157,20 @@ def test_launch_restarts_until_an_attempt_finishes_or_gives_up(fails_in: int) ->
     else:
         assert result.returncode == 3 and "[worker 0] attempt 2" in out, out
         assert "giving up: all 3 attempts failed (--max-restarts 2)" in out, out
+
+
+def test_workers_that_do_not_share_the_checkpoint_dir_fail_at_the_resume(tmp_path: Path) -> None:
+    """Each worker has a directory of its own and only worker 0's holds a checkpoint: the workers compare
+    their newest complete step through the rendezvous store and both fail naming each one's, instead of
+    worker 0 resuming at step 4 while worker 1 starts from 0."""
+    directory = tmp_path / "worker-0" / "step-000004"
+    directory.mkdir(parents=True)
+    (directory / "COMPLETE").write_text('{"step": 4, "workers": 2}')
+    command = launch_command("unshared_checkpoint.py", 2, 1, str(tmp_path), "dist_sync",
+                             env={**FAST_FAULTS, "TANDEM_PS_CHECKPOINT_DIR": str(tmp_path)})  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0, result.stdout
+    for rank in (0, 1):
+        assert re.search(rf"\[worker {rank}\] tandem.checkpoint.CheckpointError: the workers see different newest "
+                         r"complete checkpoints under \S+ \(worker 0: step 4, worker 1: none\)", result.stdout), result.stdout
+    assert "finished at step" not in result.stdout, result.stdout
