@@ -555,8 +555,7 @@ class Trainer:
               f"{position.batches_done} batches into it)", file=sys.stderr, flush=True)  # fmt: skip
         if self.epoch >= position.end_epoch and self.rank == 0:
             print(f"tandem: checkpoint at step {step} already finished {self.epoch} epochs; nothing to train "
-                  f"(fit's epochs count from where the checkpointed run started; train on with another "
-                  f"checkpoint_dir)", file=sys.stderr, flush=True)  # fmt: skip
+                  f"(fit's epochs count from where the checkpointed run started)", file=sys.stderr, flush=True)
         return position
 
     def _gather_over_workers(self) -> checkpoint.Gather:
