@@ -57,7 +57,8 @@ sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import bar_plot, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
 from tandem.kvstore.config import DistOptions, P3Options  # noqa: E402
-from tandem.kvstore.ps.auth import Session, handshake_tag, new_nonce  # noqa: E402
+from tandem.kvstore.ps.auth import Session, attempt_key, handshake_tag, new_nonce  # noqa: E402
+from tandem.kvstore.ps.curve import password_of, present_password  # noqa: E402
 from tandem.kvstore.ps.p3 import P3KVStore  # noqa: E402
 from tandem.kvstore.ps.protocol import (  # noqa: E402
     Command,
@@ -70,7 +71,7 @@ from tandem.kvstore.ps.protocol import (  # noqa: E402
     tensor_bytes,
 )
 from tandem.kvstore.ps.server import hello_info  # noqa: E402
-from tandem.kvstore.ps.topology import Topology, server_addresses  # noqa: E402
+from tandem.kvstore.ps.topology import Topology, restart_count, server_addresses  # noqa: E402
 from tandem.kvstore.ps.transport import ZERO_COPY_BYTES, payload_size  # noqa: E402
 from tandem.kvstore.ps.worker import DistKVStore  # noqa: E402
 
@@ -216,8 +217,10 @@ class MinimalWorker:
         (address,) = server_addresses(self._store, 1, options.rendezvous_timeout)
         self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)  # the server's ROUTER names it
         self.socket.setsockopt(zmq.RCVTIMEO, 60_000)  # a bench must not hang on a dead server
+        self.secret, self.session = attempt_key(options.secret_bytes, restart_count()) if options.secret else b"", None
+        if self.secret:  # a server with a secret admits only this login (tandem.kvstore.ps.curve)
+            present_password(self.socket, password_of(self.secret))
         self.socket.connect(address.endpoint)
-        self.secret, self.session = options.secret_bytes, None
         nonce = new_nonce()
         hello = json.dumps({**hello_info(topology, options), "nonce": nonce.hex()}).encode()
         answer = self.request(Header(Command.HELLO, 1, Role.WORKER, 0), hello)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -31,7 +32,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.kvstore.config import DistOptions
-from tandem.kvstore.ps.auth import NONCE_BYTES, TAG_BYTES, Session, new_nonce
+from tandem.kvstore.ps.auth import NONCE_BYTES, TAG_BYTES, Session, attempt_key, new_nonce
+from tandem.kvstore.ps.curve import password_of, present_password
 from tandem.kvstore.ps.protocol import (
     FIXED,
     MAGIC,
@@ -49,6 +51,7 @@ from tandem.kvstore.ps.worker import DistKVStore
 from tests.distributed.jobs import REPO
 
 SECRET = "hostile-peers-test-secret"
+JOB_KEY = attempt_key(SECRET.encode(), "0.0")  # what the job's first start signs with (a restart: another key)
 MAX_FRAME = 64 * 2**20  # TANDEM_PS_MAX_FRAME_BYTES's default: the stated bound on what a frame can make a server hold
 EXAMPLES = 500
 
@@ -86,9 +89,7 @@ class RawWorker:
     the test can send, replay and tamper with messages the server would otherwise accept."""
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, secret: bytes, rank: int, workers: int) -> None:
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(endpoint)
+        self.socket = _connect(context, endpoint, secret)
         self.rank, self.secret, self.nonce = rank, secret, new_nonce()
         info = {"kind": "dist_async", "num_workers": workers, "num_servers": 1, "max_frame_bytes": MAX_FRAME,
                 "pid": os.getpid(), "host": "test", "nonce": self.nonce.hex()}  # fmt: skip
@@ -110,6 +111,18 @@ class RawWorker:
             if message.header.command is command and message.header.response:
                 return message
         raise AssertionError(f"no {command.name} answer within {timeout} s")
+
+
+def _connect(context: zmq.Context[Any], endpoint: str, job_key: bytes) -> zmq.Socket:
+    """A stranger's socket. With a secret it presents the job's PLAIN password, as an eavesdropper
+    who read it off the wire could (a peer without it is refused before sending a frame: see
+    ``test_a_peer_without_the_password_cannot_send_a_frame``), so its messages reach the server's checks."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    if job_key:
+        present_password(socket, password_of(job_key))
+    socket.connect(endpoint)
+    return socket
 
 
 def _server_env(store: dist.TCPStore, secret: str, workers: int) -> dict[str, str]:
@@ -134,7 +147,7 @@ def _start(tmp_path: Path, secret: str, squat: bool = False) -> Job:
     worker = DistKVStore(Topology("worker", 0, workers, 1, "127.0.0.1", store.port, 3), options)
     raw = None
     if secret:
-        raw = RawWorker(context, endpoint, secret.encode(), 1, workers)
+        raw = RawWorker(context, endpoint, JOB_KEY, 1, workers)
         raw.socket.send_multipart(raw.frames(Header(Command.BARRIER, 2, Role.WORKER, 1), []))  # init meets it
     worker.init("w", torch.zeros(1000))
     if raw is not None:
@@ -166,7 +179,8 @@ def _header_frame(draw: st.DrawFn) -> list[bytes]:
     command = draw(st.one_of(st.sampled_from([int(command) for command in Command]), _U8))
     ndim = draw(st.one_of(st.integers(0, 3), _U8))
     shape = draw(st.lists(st.integers(-2, 2**40), min_size=min(ndim, 20), max_size=min(ndim, 20)))
-    key = draw(st.one_of(st.text(max_size=12).map(str.encode), st.binary(max_size=40), st.just(b"w")))
+    key = draw(st.one_of(st.text(max_size=12).map(str.encode), st.binary(max_size=40), st.just(b"w"),
+                         st.sampled_from([b"12", b"-3", b"--5", b"-", "²".encode(), "٣".encode(), b"1" * 1100])))
     payloads = draw(st.lists(st.binary(max_size=64), max_size=4))
     declared = draw(st.one_of(st.just(len(payloads)), _U8))
     nbytes = draw(st.one_of(st.just(sum(map(len, payloads))), st.integers(0, 2**63 - 1)))
@@ -185,7 +199,7 @@ def _header_frame(draw: st.DrawFn) -> list[bytes]:
     signed[7] |= 4  # the SIGNED flag
     if tag == "garbage":
         return [bytes(signed) + draw(st.binary(min_size=TAG_BYTES, max_size=TAG_BYTES)), *payloads]
-    secret = b"not the job's secret" if tag == "wrong secret" else SECRET.encode()
+    secret = b"not the job's secret" if tag == "wrong secret" else JOB_KEY
     return [seal(body, payloads, secret=secret), *payloads]
 
 
@@ -196,9 +210,7 @@ HOSTILE = st.one_of(st.lists(st.binary(max_size=300), max_size=5), _header_frame
 @given(frames=HOSTILE, seed=st.integers(0, 2**16))
 def test_no_generated_message_takes_the_server_down_or_changes_a_value(job: Job, frames: list[bytes], seed: int) -> None:
     context = zmq.Context.instance()
-    stranger = context.socket(zmq.DEALER)
-    stranger.setsockopt(zmq.LINGER, 0)
-    stranger.connect(job.endpoint)
+    stranger = _connect(context, job.endpoint, JOB_KEY if job.secret else b"")
     if frames:
         stranger.send_multipart(frames)
     if seed % 10 == 0:  # now and then: the legitimate worker's values are exact
@@ -217,9 +229,7 @@ def test_the_server_logged_no_internal_error(job: Job) -> None:
 
 def test_a_512_mb_frame_is_dropped_before_it_is_buffered_and_a_512_mb_message_freed(job: Job) -> None:
     before = job.rss()
-    stranger = zmq.Context.instance().socket(zmq.DEALER)
-    stranger.setsockopt(zmq.LINGER, 0)
-    stranger.connect(job.endpoint)
+    stranger = _connect(zmq.Context.instance(), job.endpoint, JOB_KEY if job.secret else b"")
     bomb = bytearray(512 * 2**20)
     stranger.send_multipart([encode_header(Header(Command.HEARTBEAT, 0, Role.WORKER, 0)), bomb])
     time.sleep(3.0)  # time to arrive and be refused
@@ -264,15 +274,19 @@ def test_a_replayed_or_tampered_message_is_rejected(job: Job) -> None:
 def _squat(context: zmq.Context[Any], endpoint: str, secret: str, workers: int) -> None:
     """Before worker 0 connects: a stranger claims rank 0 (unsigned, with a wrong secret, and with a
     hello recorded from a worker holding the secret, replayed), then sends as rank 0."""
-    stranger = context.socket(zmq.DEALER)
-    stranger.setsockopt(zmq.LINGER, 0)
-    stranger.connect(endpoint)
+    stranger = _connect(context, endpoint, JOB_KEY if secret else b"")
     info = {"kind": "dist_async", "num_workers": workers, "num_servers": 1, "max_frame_bytes": MAX_FRAME,
             "pid": 1, "host": "attacker", "nonce": os.urandom(NONCE_BYTES).hex()}  # fmt: skip
     payload = json.dumps(info).encode()
     head = encode_header(Header(Command.HELLO, 1, Role.WORKER, 0), 1, len(payload))
-    for tag_secret in (None, b"wrong", secret.encode() or None):
+    for tag_secret in (None, b"wrong", JOB_KEY if secret else None):
         stranger.send_multipart([head if tag_secret is None else seal(head, [payload], secret=tag_secret), payload])
+    if secret:  # the valid hello again, from 16 connections: each replay is refused, none evicts a claim
+        recorded = [seal(head, [payload], secret=JOB_KEY), payload]
+        for _ in range(16):
+            replayer = _connect(context, endpoint, JOB_KEY)
+            replayer.send_multipart(recorded)
+            replayer.close()
     heartbeat = encode_header(Header(Command.HEARTBEAT, 2, Role.WORKER, 0))
     stranger.send_multipart([heartbeat])
     time.sleep(0.5)
@@ -286,3 +300,30 @@ def test_a_rank_squatter_cannot_lock_its_worker_out(tmp_path: Path) -> None:
         assert "unconfirmed hello" in job.log.read_text() or "rejected message" in job.log.read_text()
     finally:
         _stop(job)
+
+
+def test_a_peer_without_the_password_cannot_send_a_frame(job: Job) -> None:
+    """With a secret, a raw ZMTP peer (no PLAIN login) streaming an unfinished 768 MB message is cut
+    off in the handshake: the server never buffers a frame of it (libzmq caps frames, not messages)."""
+    if not job.secret:
+        pytest.skip("without a secret every peer is admitted (docs/security.md)")
+    host, port = job.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    before = job.rss()
+    link = socket.create_connection((host, int(port)), timeout=10)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)  # ZMTP 3.0, NULL
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    part = bytes(32 * 2**20)
+    refused = False
+    try:
+        link.sendall(greeting)
+        link.recv(64)
+        link.sendall(bytes([0x04, len(ready)]) + ready)
+        for _ in range(24):  # every frame flagged "more": the message never ends
+            link.sendall(bytes([0x03]) + struct.pack(">Q", len(part)) + part)
+    except OSError:
+        refused = True  # the server hung up on us
+    finally:
+        link.close()
+    assert refused, "a peer without the PLAIN password could stream 768 MB at the server"
+    assert job.rss() - before < MAX_FRAME
+    job.check_values(5)

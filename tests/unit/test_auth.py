@@ -14,6 +14,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tandem.kvstore.errors import ProtocolError
 from tandem.kvstore.ps.auth import TAG_BYTES, ReplayWindow, Session, handshake_tag
+from tandem.kvstore.ps.curve import password_of, present_password
 from tandem.kvstore.ps.protocol import (
     Command,
     Header,
@@ -135,7 +136,7 @@ def _authenticate(checker: _Endpoint, session: Session | None, frame: bytes, pay
 
 def test_the_transport_rejects_what_is_not_signed_as_the_job_requires(endpoint: _Endpoint) -> None:
     hello = encode_header(HELLO, 1, 2)
-    _authenticate(endpoint, None, seal(hello, [b"{}"], secret=SECRET), [b"{}"])  # a hello needs no session
+    _authenticate(endpoint, None, seal(hello, [b"{}"], secret=endpoint.secret), [b"{}"])  # a hello needs no session
     with pytest.raises(ProtocolError, match="bad hello tag"):
         _authenticate(endpoint, None, seal(hello, [b"{}"], secret=b"wrong"), [b"{}"])
     with pytest.raises(ProtocolError, match="unauthenticated"):
@@ -184,13 +185,14 @@ def test_a_session_message_goes_through_and_its_replays_are_rejected(
     server, worker, peer = secured
     assert set(server.sessions) == {peer} and worker.sessions[0] is not None
     transmitted: list[tuple[bytes, list[Any]]] = []
-    transmit = worker._transmit
+    sealing = worker._seal
 
-    def recording(target: int, head: bytes, payloads: Sequence[Any], wait: bool) -> None:
-        transmitted.append((head, [bytes(payload) for payload in payloads]))
-        transmit(target, head, payloads, wait)
+    def recording(session: Any, head: bytes, payloads: Sequence[Any]) -> bytes:
+        sealed = sealing(session, head, payloads)  # what goes on the wire (sealed under the socket's lock)
+        transmitted.append((sealed, [bytes(payload) for payload in payloads]))
+        return sealed
 
-    monkeypatch.setattr(worker, "_transmit", recording)
+    monkeypatch.setattr(worker, "_seal", recording)
     value = torch.arange(3, dtype=torch.float32)
     worker.send(0, PUSH, [tensor_bytes(value)])
     (item,) = poll_until(lambda: server.poll(0.1), 1)
@@ -206,6 +208,7 @@ def test_a_session_message_goes_through_and_its_replays_are_rejected(
     stranger = zmq.Context()
     try:  # the exact frames again from another connection: its routing id has no session
         raw = stranger.socket(zmq.DEALER)
+        present_password(raw, password_of(server.secret))  # even a stranger who read the password off the wire
         raw.connect(f"tcp://127.0.0.1:{server.port}")
         raw.send_multipart([head, *payloads])
         (replayed,) = poll_until(lambda: server.poll(0.1), 1)
@@ -213,7 +216,8 @@ def test_a_session_message_goes_through_and_its_replays_are_rejected(
         assert "without a session" in str(replayed.error)
     finally:
         stranger.destroy(linger=0)
-    transmit(0, head, payloads, True)  # and on the worker's own connection: the number was seen
+    with worker._locks[0]:  # and on the worker's own connection: the number was seen
+        worker.sockets[0].send_multipart([head, *payloads])
     (again,) = poll_until(lambda: server.poll(0.1), 1)
     assert again.peer == peer and again.message is None and "replayed" in str(again.error)
     worker.send(0, PUSH, [tensor_bytes(value)])  # the session goes on

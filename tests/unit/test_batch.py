@@ -12,8 +12,9 @@ import torch
 import zmq
 
 from tandem.kvstore.errors import ProtocolError
-from tandem.kvstore.ps.auth import Session
+from tandem.kvstore.ps.auth import Session, attempt_key
 from tandem.kvstore.ps.client import coalesced
+from tandem.kvstore.ps.curve import admit_with_password, password_of
 from tandem.kvstore.ps.protocol import (
     MAX_BATCH_ENTRIES,
     MAX_BATCH_PAYLOADS,
@@ -33,6 +34,7 @@ from tandem.kvstore.ps.protocol import (
     tensor_bytes,
     tensor_from_bytes,
 )
+from tandem.kvstore.ps.topology import restart_count
 from tandem.kvstore.ps.transport import ServerTransport, WorkerTransport
 from tests.unit.ps_wire import SECRET, SERVER_NONCE, WORKER_NONCE, handshake, poll_until, session_pair
 
@@ -248,11 +250,22 @@ def test_a_reply_past_the_bound_goes_out_and_control_messages_keep_their_order(
     assert [reply.message.header.command for reply in replies] == [Command.PULL, Command.ABORT, Command.PULL]
 
 
+_AUTHENTICATORS: list[Any] = []  # the ZAP threads of _router_to's routers, stopped by _stop_router
+
+
+def _stop_router(context: zmq.Context) -> None:
+    while _AUTHENTICATORS:
+        _AUTHENTICATORS.pop().stop()
+    context.destroy(linger=0)
+
+
 def _router_to(secret: bytes = b"") -> tuple[zmq.Context, zmq.Socket, bytes, WorkerTransport]:
     """A raw ROUTER standing in for a server, a worker transport connected to it (with a secret, holding
     the session of ``session_pair``), and the routing id the ROUTER gave the worker."""
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
+    if secret:  # the worker logs in with PLAIN (a password from the job's key), as to a real server
+        _AUTHENTICATORS.append(admit_with_password(router, context, password_of(attempt_key(secret, restart_count()))))
     port = router.bind_to_random_port("tcp://127.0.0.1")
     worker = WorkerTransport(secret, [f"tcp://127.0.0.1:{port}"], send_timeout=10.0)
     if secret:
@@ -300,7 +313,7 @@ def test_a_hostile_batch_reply_is_rejected_without_losing_the_good_entries(damag
                 assert len(good) == 2 and torch.equal(outs[1], torch.full((2,), 2.0))
     finally:
         worker.close()
-        context.destroy(linger=0)
+        _stop_router(context)
 
 
 @pytest.mark.parametrize("tampered", [False, True])
@@ -309,7 +322,7 @@ def test_a_signed_batch_reply_is_accepted_or_rejected_whole(tampered: bool) -> N
     them (each may already have landed in its pull's output, which nobody reads before completion)."""
     context, router, peer, worker = _router_to(SECRET)
     try:
-        _, server_session = session_pair()
+        _, server_session = session_pair(worker.secret)  # the job's key for this start, as the worker holds it
         requests = [_request(Command.PULL, "a", 2, 1), _request(Command.PULL, "b", 2, 2)]
         values: list[Any] = [tensor_bytes(torch.full((2,), float(n))) for n in (1, 2)]
         index = encode_batch_index([encode_reply(request, 0, 1, 8) for request in requests])
@@ -331,7 +344,7 @@ def test_a_signed_batch_reply_is_accepted_or_rejected_whole(tampered: bool) -> N
             assert torch.equal(outs[1], torch.full((2,), 2.0))
     finally:
         worker.close()
-        context.destroy(linger=0)
+        _stop_router(context)
 
 
 # -- grouping ---------------------------------------------------------------------------------------

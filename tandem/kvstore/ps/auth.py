@@ -30,6 +30,8 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 TAG_BYTES = 16
 NONCE_BYTES = 16
+MAX_HELLO_BYTES = 4096  # a hello's JSON; bigger ones are refused before their tag is computed
+HELLO_FRESH_SECONDS = 300.0  # a hello stamped further from the server's clock is refused (replays)
 _LENGTH = 8  # bytes of each payload length mixed into a tag
 
 
@@ -39,6 +41,12 @@ def new_nonce() -> bytes:
 
 def _buffer(payload: Any) -> Any:
     return getattr(payload, "buffer", payload)  # a received zmq.Frame: its bytes without a copy
+
+
+def attempt_key(secret: bytes, attempt: str) -> bytes:
+    """The key one start of a job uses (``attempt``: its restart count): hellos recorded in an earlier
+    start of the same job, under the same secret, do not verify in a later one."""
+    return hmac.digest(secret, b"tandem attempt " + attempt.encode(), hashlib.sha256)
 
 
 def handshake_tag(secret: bytes, body: bytes | bytearray, payloads: Sequence[Any]) -> bytes:

@@ -1,4 +1,12 @@
-"""Encryption of every worker-server link with ZeroMQ's CURVE, and the keys it needs.
+"""Who may connect at all: ZeroMQ's CURVE (encrypted links) or, with a secret alone, PLAIN admission.
+
+Both are checked in the connection's handshake by a ZAP handler, before any message is delivered, so
+a peer that fails them cannot make a server buffer a single frame (libzmq caps frames, not
+messages: without admission a stranger's unfinished multipart message would grow without bound).
+
+**PLAIN** (a job with ``TANDEM_PS_SECRET`` and no CURVE keys): the password is derived from the
+job's key (``password_of``), so the secret itself never crosses the wire; the password does, in the
+clear, so an eavesdropper on the path could connect, but not forge or replay a message (``auth``).
 
 A job has two key pairs: the servers' and the workers'. A server's socket proves it holds the
 servers' secret key and admits only peers holding the workers' (ZeroMQ's ZAP handshake, before any
@@ -10,6 +18,8 @@ gives each process only the secret key of its own role. Under torchrun, make the
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -57,11 +67,9 @@ class CurveKeys:
     def make_server(self, socket: zmq.Socket, context: zmq.Context[Any]) -> Any:
         """Make ``socket`` (before it binds) a CURVE server that admits only the workers' key; returns
         the running authenticator (stop it before the context is destroyed)."""
-        from zmq.auth.thread import ThreadAuthenticator
-
-        authenticator = ThreadAuthenticator(context)
-        authenticator.start()
-        authenticator.configure_curve_callback("*", credentials_provider=_OneKey(self.worker_key.encode()))
+        authenticator = _authenticator(context)
+        authenticator.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_OneKey(self.worker_key.encode()))
+        socket.zap_domain = ZAP_DOMAIN.encode()
         socket.curve_server = True
         socket.curve_secretkey = self.secret_key.encode()
         socket.curve_publickey = self.server_key.encode()
@@ -72,6 +80,38 @@ class CurveKeys:
         socket.curve_serverkey = self.server_key.encode()
         socket.curve_publickey = self.worker_key.encode()
         socket.curve_secretkey = self.secret_key.encode()
+
+
+ZAP_DOMAIN = "tandem"
+
+
+def _authenticator(context: zmq.Context[Any]) -> Any:
+    from zmq.auth.thread import ThreadAuthenticator
+
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    return authenticator
+
+
+def password_of(job_key: bytes) -> bytes:
+    """The PLAIN password of a job whose (per-start) key is ``job_key``: one-way, so it reveals no key."""
+    return hmac.digest(job_key, b"tandem zmq plain", hashlib.sha256).hex().encode()
+
+
+def admit_with_password(socket: zmq.Socket, context: zmq.Context[Any], password: bytes) -> Any:
+    """Make ``socket`` (before it binds) a PLAIN server admitting only ``password``; returns the running
+    authenticator (stop it before the context is destroyed)."""
+    authenticator = _authenticator(context)
+    authenticator.configure_plain(ZAP_DOMAIN, {"tandem": password.decode()})
+    socket.zap_domain = ZAP_DOMAIN.encode()
+    socket.plain_server = True
+    return authenticator
+
+
+def present_password(socket: zmq.Socket, password: bytes) -> None:
+    """Make ``socket`` (before it connects) log in to a PLAIN server with ``password``."""
+    socket.plain_username = b"tandem"
+    socket.plain_password = password
 
 
 class _OneKey:

@@ -13,15 +13,17 @@ are tensor bytes (sent zero-copy) or, for control commands, UTF-8 JSON / text.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 import struct
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -49,6 +51,8 @@ _SEQUENCE_OFFSET = _ID_OFFSET + _ID_AND_TIME.size
 _TIME_END = _SEQUENCE_OFFSET + _SEQUENCE.size  # the end of what changes per message: id, timestamp, sequence
 
 Key = int | str
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 # torch.frombuffer warns on read-only buffers (ZeroMQ frames); we only ever read received tensors
 # or copy them, so the warning is noise on every message.
@@ -319,12 +323,33 @@ def _decode_key(kind: KeyKind, raw: bytes) -> Key | None:
         _check(not raw, "a key-less message carries key bytes")
         return None
     if kind is KeyKind.INT:
-        if not text.lstrip("-").isdigit():
-            raise ProtocolError(f"integer key {text!r} is not an integer")
-        return int(text)
+        if not _INTEGER.fullmatch(raw):  # ASCII digits only: str.isdigit() admits "²", which int() refuses
+            raise ProtocolError(f"integer key {text[:40]!r} is not an integer")
+        return int(raw)
     return text
 
 
+_INTEGER = re.compile(rb"-?[0-9]{1,%d}" % MAX_KEY_BYTES)
+
+
+def only_protocol_errors(decoder: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A decoder of bytes from the network raises ``ProtocolError`` and nothing else: whatever else a
+    hostile input trips (a bug's ValueError, struct.error...) becomes one, so callers' one ``except``
+    always holds."""
+
+    @functools.wraps(decoder)
+    def guarded(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return decoder(*args, **kwargs)
+        except ProtocolError:
+            raise
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            raise ProtocolError(f"malformed message ({type(error).__name__}: {str(error)[:200]})") from None
+
+    return guarded
+
+
+@only_protocol_errors
 def decode_header(frame: bytes) -> Header:
     """Parse and validate a header frame; raises ``ProtocolError`` naming the first problem.
 
@@ -414,6 +439,7 @@ def _parse_header(body: bytes) -> Header:
 _new_header = object.__new__  # a decoded header is built field by field: an eighth of Header()'s cost
 
 
+@only_protocol_errors
 def decode(frames: Sequence[Any]) -> Message:
     """Validate a received multipart message's format (bytes or zmq.Frame parts) and view its payloads."""
     if not frames:
@@ -422,6 +448,7 @@ def decode(frames: Sequence[Any]) -> Message:
     return attach(decode_header(first.bytes if hasattr(first, "bytes") else bytes(first)), frames[1:])
 
 
+@only_protocol_errors
 def attach(header: Header, frames: Sequence[Any]) -> Message:
     """The message of an already decoded ``header`` and its payload frames, checked against it."""
     if len(frames) != header.payload_count:
@@ -461,6 +488,7 @@ def state_payloads(value: torch.Tensor, state: dict[str, torch.Tensor]) -> list[
             *(tensor_bytes(state[name].contiguous()) for name in names)]  # fmt: skip
 
 
+@only_protocol_errors
 def state_from_payloads(payloads: Sequence[memoryview], dtype: torch.dtype,
                         numel: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """``state_payloads``' value and state, validated; views of the payloads (copy what you keep)."""
@@ -484,6 +512,7 @@ def state_from_payloads(payloads: Sequence[memoryview], dtype: torch.dtype,
     return tensor_from_bytes(payloads[1], dtype, numel), state
 
 
+@only_protocol_errors
 def tensor_from_bytes(payload: memoryview, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """A 1-D tensor viewing ``payload`` without a copy; validates the byte count first."""
     _check(payload.nbytes == numel * dtype.itemsize,
@@ -514,6 +543,7 @@ def encode_batch_index(heads: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
+@only_protocol_errors
 def decode_batch_index(batch: Header, index: bytes) -> list[Header]:
     """The entries' headers of a BATCH whose header is ``batch`` and index frame ``index``, validated.
 
@@ -547,6 +577,7 @@ def decode_batch_index(batch: Header, index: bytes) -> list[Header]:
     return headers
 
 
+@only_protocol_errors
 def split_batch(message: Message) -> list[Message]:
     """The messages a received BATCH carries (checked by ``attach`` against its header already)."""
     _check(bool(message.payloads), "a batch without its index frame")

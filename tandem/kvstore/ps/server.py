@@ -37,7 +37,7 @@ from tandem.kvstore import compression
 from tandem.kvstore.compression import GradientCompression
 from tandem.kvstore.config import DistOptions
 from tandem.kvstore.errors import PeerFailure, ProtocolError, RemoteError
-from tandem.kvstore.ps.auth import NONCE_BYTES, new_nonce
+from tandem.kvstore.ps.auth import HELLO_FRESH_SECONDS, NONCE_BYTES, new_nonce
 from tandem.kvstore.ps.curve import CurveKeys
 from tandem.kvstore.ps.protocol import (
     Command,
@@ -63,6 +63,7 @@ log = logging.getLogger("tandem.kvstore.server")
 CONTROL_COMMANDS = frozenset({Command.HELLO, Command.HEARTBEAT, Command.BYE, Command.ABORT})
 PENDING_PER_RANK = 4  # hellos awaiting their first tagged message, per rank (a replayed hello never completes)
 REJECTION_PEERS_KEPT = 4096  # peers whose rejections are counted at once
+LOG_BURST, LOG_RATE = 50, 5.0  # rejection lines logged at once, and per second after that
 LOGGED_PER_PEER = 20  # rejections logged in full per peer; after that one line per 1000 (a flood must not fill disks)
 _ACTIONS = {command: command.name.lower() for command in Command}  # for error messages, named once
 
@@ -108,6 +109,8 @@ class Server:
         self.pending: dict[bytes, _WorkerState] = {}  # peer -> its hello's worker, until it proves the session key
         self.pending_ranks: dict[bytes, int] = {}
         self.rejections: Counter[bytes] = Counter()  # per peer
+        self.seen_nonces: dict[bytes, float] = {}  # valid hellos' nonces, while their stamp could pass as fresh
+        self._log_tokens, self._log_refilled, self._unlogged = float(LOG_BURST), time.monotonic(), 0
         self.rounds: dict[SlotId, _Rounds] = {}
         self.residuals: dict[SlotId, torch.Tensor] = {}  # see _compress_value
         self.barrier: dict[int, tuple[bytes, Header]] = {}
@@ -138,7 +141,7 @@ class Server:
             while not self._finished():
                 for incoming in self.transport.poll(self.options.heartbeat):
                     self._dispatch(incoming)
-                self.transport.flush()
+                self._flush()
                 self._check_workers(started)
             return 0
         except PeerFailure as failure:
@@ -151,6 +154,13 @@ class Server:
     def _finished(self) -> bool:
         everyone = len(self.workers) == self.topology.num_workers
         return everyone and all(worker.gone for worker in self.workers.values())
+
+    def _flush(self) -> None:
+        """Send the replies held for this poll, under the guard: a reply that cannot be sealed is dropped."""
+        try:
+            self.transport.flush()
+        except (ProtocolError, zmq.ZMQError) as error:
+            log.warning("server %d dropped held replies: %s", self.rank, error)
 
     def _check_workers(self, started: float) -> None:
         now = time.monotonic()
@@ -216,6 +226,12 @@ class Server:
         for other in [other for other, other_rank in self.pending_ranks.items() if other_rank == rank]:
             self._forget_pending(other)  # hellos that claimed the same rank (replays) can never complete now
 
+    def _forget_old_nonces(self) -> None:
+        """A nonce is kept while a replay of its hello could still pass the freshness check (both ways)."""
+        oldest = time.monotonic() - 2 * HELLO_FRESH_SECONDS
+        for nonce in [nonce for nonce, seen in self.seen_nonces.items() if seen < oldest]:
+            del self.seen_nonces[nonce]
+
     def _forget_pending(self, peer: bytes) -> None:
         self.pending.pop(peer, None)
         self.pending_ranks.pop(peer, None)
@@ -242,9 +258,18 @@ class Server:
         if len(self.rejections) >= REJECTION_PEERS_KEPT:  # every connection is a new peer: bound the table
             self.rejections.clear()
         count = self.rejections[peer] = self.rejections[peer] + 1
-        if count <= LOGGED_PER_PEER or count % 1000 == 0:
-            log.warning("server %d rejected message %d from peer %s (%s): %s", self.rank, count, peer.hex(),
-                        self._peer_name(peer), reason)  # fmt: skip
+        now = time.monotonic()  # a token bucket over all peers: every new connection is a new peer
+        self._log_tokens = min(float(LOG_BURST), self._log_tokens + (now - self._log_refilled) * LOG_RATE)
+        self._log_refilled = now
+        if (count > LOGGED_PER_PEER and count % 1000) or self._log_tokens < 1:
+            self._unlogged += 1
+            return
+        self._log_tokens -= 1
+        if self._unlogged:
+            log.warning("server %d rejected %d more message(s) it did not log one by one", self.rank, self._unlogged)
+            self._unlogged = 0
+        log.warning("server %d rejected message %d from peer %s (%s): %s", self.rank, count, peer.hex(),
+                    self._peer_name(peer), reason)  # fmt: skip
 
     def _peer_name(self, peer: bytes) -> str:
         """Who a peer is, as far as this server knows: its worker, a pending hello, or a stranger."""
@@ -285,6 +310,14 @@ class Server:
             self._reply(peer, header)
             return
         worker_nonce = _nonce(info.get("nonce"))
+        skew = time.time() - header.timestamp  # the stamp is under the hello's tag: a replay keeps its old one
+        if abs(skew) > HELLO_FRESH_SECONDS:
+            raise RemoteError(f"hello stamped {skew:+.0f} s from server {self.rank}'s clock (at most "
+                              f"{HELLO_FRESH_SECONDS:.0f} s allowed): a replayed hello, or clocks apart (sync them: NTP)")  # fmt: skip
+        self._forget_old_nonces()
+        if worker_nonce in self.seen_nonces:
+            raise RemoteError("a replayed hello: its nonce was seen already")
+        self.seen_nonces[worker_nonce] = time.monotonic()
         claims = [other for other, rank in self.pending_ranks.items() if rank == header.sender_rank]
         if len(claims) >= PENDING_PER_RANK and peer not in claims:
             self._forget_pending(claims[0])  # the oldest claim: bounded, and a live worker retries nothing

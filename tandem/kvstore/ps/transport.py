@@ -49,8 +49,8 @@ from zmq.backend import zmq_poll
 from zmq.backend.cython import _zmq as pyzmq_backend
 
 from tandem.kvstore.errors import ProtocolError
-from tandem.kvstore.ps.auth import Session, handshake_tag
-from tandem.kvstore.ps.curve import CurveKeys
+from tandem.kvstore.ps.auth import MAX_HELLO_BYTES, Session, attempt_key, handshake_tag
+from tandem.kvstore.ps.curve import CurveKeys, admit_with_password, password_of, present_password
 from tandem.kvstore.ps.protocol import (
     BATCHABLE,
     MAX_BATCH_ENTRIES,
@@ -66,11 +66,13 @@ from tandem.kvstore.ps.protocol import (
     encode_header,
     encode_reply,
     is_handshake,
+    only_protocol_errors,
     seal,
     split_batch,
     split_tag,
     tensor_bytes,
 )
+from tandem.kvstore.ps.topology import restart_count
 
 ZERO_COPY_BYTES = 64 * 1024
 # plain ints: pyzmq's constants are IntFlags, and every ``&``/``|`` with one builds a new enum (a
@@ -112,7 +114,8 @@ _send: Callable[..., Any] = pyzmq_backend.Socket.send
 
 class _Endpoint:
     def __init__(self, secret: bytes, max_frame_bytes: int, curve: CurveKeys | None) -> None:
-        self.secret = secret
+        # one key per start of the job: a restarted job's peers cannot replay the last start's hellos
+        self.secret = attempt_key(secret, restart_count()) if secret else b""
         self.max_frame_bytes = max_frame_bytes
         self.curve = curve
         self.context = zmq.Context()
@@ -138,6 +141,7 @@ class _Endpoint:
             raise ProtocolError("no authenticated session with this peer: it has not completed hello")
         return seal(head, payloads, session)
 
+    @only_protocol_errors
     def _authenticate(self, session: Session | None, head: bytes, header: Header, payloads: Sequence[Any]) -> None:
         """Raise ``ProtocolError`` unless the message is signed as this job requires (and new, in a session)."""
         if not self.secret:
@@ -149,6 +153,8 @@ class _Endpoint:
             raise ProtocolError("unauthenticated message: TANDEM_PS_SECRET is set here but the sender did not sign")
         body, tag = split_tag(head)
         if header.command is Command.HELLO:
+            if header.payload_count > 1 or header.payload_nbytes > MAX_HELLO_BYTES:  # before hashing a stranger's bytes
+                raise ProtocolError(f"a hello carries one frame of at most {MAX_HELLO_BYTES} bytes")
             if not hmac.compare_digest(tag, handshake_tag(self.secret, body, payloads)):
                 raise ProtocolError("bad hello tag: the sender's TANDEM_PS_SECRET differs, or the message was changed")
             return
@@ -178,7 +184,10 @@ class ServerTransport(_Endpoint):
                  curve: CurveKeys | None = None) -> None:  # fmt: skip
         super().__init__(secret, max_frame_bytes, curve)
         self.socket = self._socket(zmq.ROUTER)
-        self._authenticator = None if curve is None else curve.make_server(self.socket, self.context)  # before bind
+        # before bind: who may connect at all (CURVE's keys, else with a secret a PLAIN password)
+        self._authenticator = (curve.make_server(self.socket, self.context) if curve is not None else
+                               admit_with_password(self.socket, self.context, password_of(self.secret)) if secret
+                               else None)  # fmt: skip
         self.port = self.socket.bind_to_random_port(f"tcp://{bind_addr}")
         self.sessions: dict[bytes, Session] = {}  # peer -> its session (with a secret, after its hello)
         self._poll_items = [(self.socket, POLLIN)]  # built once: Socket.poll builds a Poller per call
@@ -317,10 +326,15 @@ class WorkerTransport(_Endpoint):
         self.received = 0  # messages received (likewise)
 
     def _dealer(self, endpoint: str, send_timeout: float) -> zmq.Socket:
-        socket = self._socket(zmq.DEALER)  # no chosen routing id: the server's ROUTER assigns one nobody can take
+        socket = self._socket(zmq.DEALER)
+        # a random routing id: nobody can guess it to take it first, and it survives a reconnect (a
+        # ROUTER-assigned one would not: the server would no longer know the worker after a TCP reset)
+        socket.setsockopt(zmq.IDENTITY, b"w" + os.urandom(15))
         socket.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))  # a backstop: sends start NOBLOCK anyway
         if self.curve is not None:
             self.curve.make_client(socket)
+        elif self.secret:
+            present_password(socket, password_of(self.secret))
         socket.connect(endpoint)
         return socket
 
@@ -348,8 +362,7 @@ class WorkerTransport(_Endpoint):
 
         ``request_id`` overrides the header's (so callers need not rebuild the frozen header).
         """
-        self._transmit(server, self._seal(self.sessions[server], self._head(header, payloads, request_id), payloads),
-                       payloads, wait)  # fmt: skip
+        self._transmit(server, self._head(header, payloads, request_id), payloads, wait)
 
     def send_batch(self, server: int, rank: int, entries: Sequence[tuple[Header, Sequence[Any], int]]) -> None:
         """Send several data requests ``(header, payloads, request id)`` to ``server`` as one BATCH message
@@ -360,14 +373,16 @@ class WorkerTransport(_Endpoint):
         heads = [self._head(header, payloads, request_id) for header, payloads, request_id in entries]
         index = encode_batch_index(heads)
         payloads = [index, *(payload for _, entry, _ in entries for payload in entry)]
-        head = self._seal(self.sessions[server], encode_header(batch, len(payloads), payload_size(payloads)), payloads)
-        self._transmit(server, head, payloads, True)
+        self._transmit(server, encode_header(batch, len(payloads), payload_size(payloads)), payloads, True)
 
-    def _transmit(self, server: int, head: bytes, payloads: Sequence[Any], wait: bool) -> None:
+    def _transmit(self, server: int, unsigned: bytes, payloads: Sequence[Any], wait: bool) -> None:
         socket, lock = self.sockets[server], self._locks[server]
         deadline = None  # taken only when a send is refused: most go at once
         while True:
             with lock:
+                # sealed under the lock: sequence numbers then leave in order (one drawn earlier by a
+                # thread that waited could fall behind the server's replay window and be dropped)
+                head = self._seal(self.sessions[server], unsigned, payloads)
                 try:
                     _send(socket, head, NOBLOCK | SNDMORE if payloads else NOBLOCK)
                     sent = True

@@ -13,13 +13,16 @@ import torch
 import zmq
 
 import tandem.kvstore as kvstore
+from tandem.kvstore.ps.auth import attempt_key
+from tandem.kvstore.ps.curve import password_of, present_password
 from tandem.kvstore.ps.protocol import Command, Header, Role, encode_header, seal
+from tandem.kvstore.ps.topology import restart_count
 
 if kvstore.is_server():  # a server of the job: serve until it ends
     sys.exit(kvstore.serve("dist_sync"))
 kv = kvstore.create("dist_sync")
 kv.init("w", torch.zeros(10))
-secret = os.environ["TANDEM_PS_SECRET"].encode()
+secret = attempt_key(os.environ["TANDEM_PS_SECRET"].encode(), restart_count())  # the job's key for this start
 pull = Header(Command.PULL, 7, Role.WORKER, 0, key="w", dtype=torch.float32, shape=(10,), slice_stop=10)
 hello = Header(Command.HELLO, 8, Role.WORKER, 0, payload_count=1, payload_nbytes=2)
 hostile = [
@@ -40,6 +43,7 @@ context = zmq.Context()
 for address in kv.addresses:
     raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    present_password(raw, password_of(secret))  # the job's login (its messages still need the session keys)
     raw.connect(address.endpoint)
     # and a signed request from a peer that never said hello: the server knows its peers apart
     for frames in hostile + [[seal(encode_header(pull), [], secret=secret)]]:
