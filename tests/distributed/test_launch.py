@@ -42,3 +42,21 @@ def test_usage_errors_name_the_fix() -> None:
             base + args, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60
         )
         assert result.returncode != 0 and message in result.stderr + result.stdout, (args, result.stderr)
+
+
+def test_curve_keys_go_to_each_role_and_the_job_runs_encrypted() -> None:
+    """`--curve`: every process gets both public keys and only its own role's secret key; a real job
+    (pushes, pulls, errors, barriers) runs over the encrypted links."""
+    show = ("import os; print(os.environ['TANDEM_ROLE'], sorted(name for name in os.environ "
+            "if name.startswith('TANDEM_PS_CURVE')), bool(os.environ.get('TANDEM_PS_SECRET')))")
+    command = [sys.executable, "-m", "tandem.launch", "-n", "1", "-s", "1", "--curve", "--", sys.executable, "-c", show]
+    result = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
+    public = "'TANDEM_PS_CURVE_SERVER_KEY', 'TANDEM_PS_CURVE_WORKER_KEY'"
+    assert ("[server 0] server ['TANDEM_PS_CURVE_SERVER_KEY', 'TANDEM_PS_CURVE_SERVER_SECRET_KEY', "
+            "'TANDEM_PS_CURVE_WORKER_KEY'] True") in result.stdout, result.stdout
+    assert f"[worker 0] worker [{public}, 'TANDEM_PS_CURVE_WORKER_SECRET_KEY'] True" in result.stdout, result.stdout
+    job = launch_command("basic.py", 2, 1)
+    job.insert(job.index("--grace"), "--curve")
+    result = subprocess.run(job, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("basic OK") == 2, result.stdout
