@@ -106,8 +106,8 @@ class Server:
         self.transport = self.wire  # what requests are read from and answered on (P3 puts a priority queue in front)
         self.address = ServerAddress(public_endpoint(options.bind_addr, self.wire.port))
         self.workers: dict[int, _WorkerState] = {}
-        self.pending: dict[bytes, _WorkerState] = {}  # peer -> its hello's worker, until it proves the session key
-        self.pending_ranks: dict[bytes, int] = {}
+        # peer -> (rank, worker) its hello claimed, until it proves the session key (then: self.workers)
+        self.pending: dict[bytes, tuple[int, _WorkerState]] = {}
         self.rejections: Counter[bytes] = Counter()  # per peer
         self.seen_nonces: dict[bytes, float] = {}  # valid hellos' nonces, while their stamp could pass as fresh
         self._log_tokens, self._log_refilled, self._unlogged = float(LOG_BURST), time.monotonic(), 0
@@ -217,13 +217,13 @@ class Server:
 
     def _confirm(self, peer: bytes) -> None:
         """``peer`` sent its first message tagged with its session key: it is the worker its hello named."""
-        rank, state = self.pending_ranks.pop(peer), self.pending.pop(peer)
+        rank, state = self.pending.pop(peer)
         known = self.workers.get(rank)
         if known is not None and known.peer != peer and not known.gone:
             self.wire.close_session(peer)  # the rank is taken by a connection that proved itself first
             return
         self.workers[rank] = state
-        for other in [other for other, other_rank in self.pending_ranks.items() if other_rank == rank]:
+        for other in self._claims(rank):
             self._forget_pending(other)  # hellos that claimed the same rank (replays) can never complete now
 
     def _forget_old_nonces(self) -> None:
@@ -232,9 +232,12 @@ class Server:
         for nonce in [nonce for nonce, seen in self.seen_nonces.items() if seen < oldest]:
             del self.seen_nonces[nonce]
 
+    def _claims(self, rank: int) -> list[bytes]:
+        """The peers whose pending hello claims ``rank``, oldest first."""
+        return [peer for peer, (claimed, _) in self.pending.items() if claimed == rank]
+
     def _forget_pending(self, peer: bytes) -> None:
         self.pending.pop(peer, None)
-        self.pending_ranks.pop(peer, None)
         self.wire.close_session(peer)
 
     def _guarded(self, peer: bytes, header: Header, handler: Callable[[bytes, Message], None],
@@ -277,7 +280,7 @@ class Server:
             if worker.peer == peer:
                 return worker.description
         pending = self.pending.get(peer)
-        return f"unconfirmed hello as {pending.description}" if pending is not None else "never said hello"
+        return f"unconfirmed hello as {pending[1].description}" if pending is not None else "never said hello"
 
     def _reply(self, peer: bytes, request: Header, payloads: list[Any] | None = None) -> None:
         self.transport.reply(peer, request, self.rank, payloads or ())
@@ -318,12 +321,12 @@ class Server:
         if worker_nonce in self.seen_nonces:
             raise RemoteError("a replayed hello: its nonce was seen already")
         self.seen_nonces[worker_nonce] = time.monotonic()
-        claims = [other for other, rank in self.pending_ranks.items() if rank == header.sender_rank]
+        claims = self._claims(header.sender_rank)
         if len(claims) >= PENDING_PER_RANK and peer not in claims:
             self._forget_pending(claims[0])  # the oldest claim: bounded, and a live worker retries nothing
         server_nonce = new_nonce()
         self.wire.open_session(peer, worker_nonce, server_nonce, header.sender_rank)
-        self.pending[peer], self.pending_ranks[peer] = state, header.sender_rank
+        self.pending[peer] = (header.sender_rank, state)
         answer = {"nonce": server_nonce.hex(), "worker_nonce": worker_nonce.hex()}  # signed with the secret
         self._reply(peer, header, [memoryview(json.dumps(answer).encode())])
 
