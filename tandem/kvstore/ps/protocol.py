@@ -444,8 +444,12 @@ def decode(frames: Sequence[Any]) -> Message:
     """Validate a received multipart message's format (bytes or zmq.Frame parts) and view its payloads."""
     if not frames:
         raise ProtocolError("empty message")
-    first = frames[0]
-    return attach(decode_header(first.bytes if hasattr(first, "bytes") else bytes(first)), frames[1:])
+    return attach(decode_header(frame_bytes(frames[0])), frames[1:])
+
+
+def frame_bytes(frame: Any) -> bytes:
+    """A received frame's bytes (a zmq.Frame's, or bytes as they are)."""
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
 @only_protocol_errors

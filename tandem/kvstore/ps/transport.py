@@ -27,8 +27,10 @@ wakes its garbage-collector thread, a Python thread wanting the GIL, once per me
 Every received message is decoded, validated and (with a secret) authenticated here, so callers
 only ever see well-formed, authentic ``Message`` objects or a ``ProtocolError``: the transport
 seals what it sends and checks what it receives with each peer's ``auth.Session``. Every socket
-drops a peer that sends a frame above ``max_frame_bytes`` before buffering it (``ZMQ_MAXMSGSIZE``),
-and a worker's routing id is the one its server's ROUTER assigns (a peer cannot take another's).
+drops a peer that sends a frame above ``max_frame_bytes`` before buffering it (``ZMQ_MAXMSGSIZE``);
+with a secret a server admits a connection only after a login (CURVE's keys, or a PLAIN password
+derived from the secret: ``curve.py``), and a worker's routing id is random (nobody can guess it to
+take it first, and it survives a reconnect).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from tandem.kvstore.ps.protocol import (
     encode_batch_index,
     encode_header,
     encode_reply,
+    frame_bytes,
     is_handshake,
     only_protocol_errors,
     seal,
@@ -168,7 +171,7 @@ class _Endpoint:
     def _decode(self, peer: Any, frames: list[Any], session: Session | None) -> Incoming:
         try:
             message = decode(frames)
-            self._authenticate(session, _bytes(frames[0]), message.header, message.payloads)
+            self._authenticate(session, frame_bytes(frames[0]), message.header, message.payloads)
             return Incoming(peer, message)
         except ProtocolError as error:
             return Incoming(peer, None, error)
@@ -566,10 +569,6 @@ def _send_const(socket: zmq.Socket, payload: memoryview, flags: int) -> None:
     address = ctypes.addressof(ctypes.c_char.from_buffer(payload))
     if _SEND_CONST(socket.underlying, address, payload.nbytes, flags | NOBLOCK) < 0:
         raise zmq.ZMQError(ctypes.get_errno())
-
-
-def _bytes(frame: Any) -> bytes:
-    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
 def _readable(socket: zmq.Socket) -> bool:
