@@ -15,11 +15,9 @@ torch.optim.Optimizer bound to the module's parameters works too (gradients go t
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import sys
 import time
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -42,7 +40,6 @@ from tandem.step import compile as compile_step
 from tandem.update import DistributedUpdate, LocalUpdate, OptimizerApply, Update
 
 CHECKPOINT_FORMAT = 1
-_RESUMES = itertools.count()  # fit's resumes in this process: names each one's agreement in the rendezvous store
 
 
 @dataclass
@@ -559,21 +556,12 @@ class Trainer:
         return position
 
     def _gather_over_workers(self) -> checkpoint.Gather:
-        """Every worker's text in rank order, through the kvstore's rendezvous store (collective; each
-        call of the returned function once on every worker, in the same order); alone: ``[text]``."""
+        """Every worker's text in rank order (collective: each call of the returned function once on
+        every worker, in the same order); alone: ``[text]``."""
         store = self.kvstore
-        if store is None or self.num_workers == 1:
+        if store is None:
             return lambda text: [text]
-        if hasattr(store, "_gather"):  # the collective store's own: named per call, ends with the job
-            return lambda text: store._gather("checkpoint-resume", text)
-        from tandem.env import knob
-        from tandem.kvstore.ps.topology import gather_over_workers
-
-        job = zlib.crc32(" ".join(address.endpoint for address in store.addresses).encode())
-        prefix = f"checkpoint-resume/{job:08x}/{next(_RESUMES)}"  # unique per job incarnation (servers' ports) and fit call
-        calls = itertools.count()
-        return lambda text: gather_over_workers(store.rendezvous, f"{prefix}/{next(calls)}", self.rank, self.num_workers,
-                                                text, knob("TANDEM_PS_WAIT_TIMEOUT"))  # fmt: skip
+        return lambda text: store.gather("checkpoint-resume", text)
 
     def _load_server_state(self, batch: tuple[Any, ...]) -> None:
         """Before the first step after a resume: join the kvstore's keys as that step would (the servers

@@ -369,6 +369,17 @@ class KVStore(ABC):
             ```
         """
 
+    def gather(self, what: str, text: str) -> list[str]:
+        """Every worker's ``text``, in rank order, on every worker (collective: each worker calls it
+        with the same ``what``, the same number of times, in the same order). Alone: ``[text]``.
+
+        Example:
+            ```python
+            steps = kv.gather("resume-step", str(step))   # ["120", "120"] on both workers of a job
+            ```
+        """
+        return [text]
+
     @abstractmethod
     def save_server_state(self, path: str) -> None:
         """Checkpoint stored values and optimizer state under directory ``path`` (collective).

@@ -108,10 +108,10 @@ class CollectiveKVStore(KVStore):
         self.slice_size, self.water_mark, self.send_timing = config.slice_size, config.water_mark, config.send_timing
 
     def _agree(self, cost: float) -> float:
-        values = self._gather("tuner", repr(cost))
+        values = self.gather("tuner", repr(cost))
         return statistics.fmean(float(value) for value in values)  # same values, same order: same result
 
-    def _gather(self, what: str, text: str) -> list[str]:
+    def gather(self, what: str, text: str) -> list[str]:
         """Every worker's ``text`` for this call (collective), in rank order; ends with the job."""
         return gather(self.rendezvous, self._name(what), self.rank, self.num_workers, text, self.wait_timeout,
                       self._check_failed)  # fmt: skip
@@ -143,7 +143,7 @@ class CollectiveKVStore(KVStore):
         self._settle()
         mine = [(repr(key), list(tensors[0].shape), str(tensors[0].dtype)) for key, tensors in items]
         slicing = "auto" if self.tuner is not None else str(self.slice_size)  # cuts every worker's slices alike
-        everyone = [json.loads(text) for text in self._gather("init", json.dumps([slicing, mine]))]
+        everyone = [json.loads(text) for text in self.gather("init", json.dumps([slicing, mine]))]
         for rank, (theirs, _) in enumerate(everyone):
             if theirs != everyone[0][0]:
                 raise KVStoreError(f"the workers' slice sizes differ: {everyone[0][0]} on worker 0 but {theirs} on "
@@ -164,7 +164,7 @@ class CollectiveKVStore(KVStore):
     def set_gradient_compression(self, params: Any) -> None:
         """Collective: compress every worker's slices (see the module docstring); the workers must agree."""
         config = GradientCompression.parse(params)
-        texts = self._gather("compression", f"{config.type}:{config.threshold}")
+        texts = self.gather("compression", f"{config.type}:{config.threshold}")
         if len(set(texts)) != 1:
             raise KVStoreError(f"the workers set different gradient compressions {texts} (by rank); every "
                                f"worker of a collective job must set the same")  # fmt: skip
@@ -248,7 +248,7 @@ class CollectiveKVStore(KVStore):
     def barrier(self) -> None:
         """Collective: once this worker's operations are done, wait for every worker to get here."""
         self._settle()
-        self._gather("barrier", "")
+        self.gather("barrier", "")
 
     def _settle(self) -> None:
         for handle in list(self._last.values()):

@@ -29,7 +29,7 @@ from tandem.kvstore.ps.client import Client, Submission, message_text
 from tandem.kvstore.ps.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.ps.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
 from tandem.kvstore.ps.server import hello_info
-from tandem.kvstore.ps.topology import Topology, connect_store, server_addresses
+from tandem.kvstore.ps.topology import Topology, connect_store, gather_over_workers, server_addresses
 from tandem.kvstore.slots import optimizer_to_json
 
 CACHE_LIMIT = 65536  # request headers and plans remembered (a job has a few per key)
@@ -55,6 +55,7 @@ class DistKVStore(KVStore):
         self._plans: dict[tuple[Any, ...], list[Slice]] = {}  # see _plan
         self._compressor: Compressor | None = None  # see set_gradient_compression
         self._closed = False
+        self._gathers = 0  # gather calls so far (see gather)
         try:
             self._client.connect()
         except BaseException:
@@ -213,6 +214,12 @@ class DistKVStore(KVStore):
     @property
     def gradient_compression(self) -> GradientCompression:
         return self._compressor.config if self._compressor is not None else GradientCompression()
+
+    def gather(self, what: str, text: str) -> list[str]:
+        self._check_usable()
+        self._gathers += 1  # each call its own keys: the store names every key once
+        return gather_over_workers(self.rendezvous, f"gather/{what}/{self._gathers}", self.rank, self.num_workers,
+                                   text, knob("TANDEM_PS_WAIT_TIMEOUT"))  # fmt: skip
 
     def barrier(self) -> None:
         self._check_usable()
