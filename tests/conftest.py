@@ -24,19 +24,6 @@ def eager_step(module: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: t
     return loss.detach(), grads
 
 
-def eager_train(module: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[Any, ...],
-                optimizer: torch.optim.Optimizer, steps: int) -> list[float]:
-    """``steps`` eager torch.optim steps on ``batch``; the loss of each."""
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = loss_fn(module, *batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def zoo_case(name: str, dtype: torch.dtype = torch.float64, batch_size: int = 4,
              seed: int = 0) -> tuple[nn.Module, Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]:
     from tandem.models import ZOO

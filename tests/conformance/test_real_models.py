@@ -24,8 +24,9 @@ from torch import nn
 import tandem
 from tandem import optim
 from tandem.testing.real_models import NAMED, REAL_MODELS, UNNAMED
+from tandem.testing.reference import eager_train
 from tandem.testing.torchvision_compat import ensure_importable
-from tests.conftest import assert_same_step, eager_step, eager_train, twin
+from tests.conftest import assert_same_step, eager_step, twin
 
 ensure_importable()  # before pytest.importorskip imports timm or transformers (they import torchvision)
 

@@ -25,8 +25,9 @@ from torch import nn
 import tandem
 from tandem import optim
 from tandem.graph.train_graph import Phase
+from tandem.testing.reference import eager_train
 from tandem.trainer import TrainerConfig
-from tests.conftest import eager_train, zoo_case
+from tests.conftest import zoo_case
 
 STEPS = 10
 RTOL, ATOL = 1e-4, 1e-5  # float32: the conformance suite's tolerance
