@@ -13,7 +13,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tandem.kvstore.errors import ProtocolError
-from tandem.kvstore.ps.auth import TAG_BYTES, ReplayWindow, Session, handshake_tag
+from tandem.kvstore.ps.auth import (
+    SMALL_PART_BYTES,
+    TAG_BYTES,
+    DirectionKeys,
+    ReplayWindow,
+    Session,
+    handshake_tag,
+)
 from tandem.kvstore.ps.curve import password_of, present_password
 from tandem.kvstore.ps.protocol import (
     Command,
@@ -59,21 +66,42 @@ def test_a_session_round_trips_in_both_directions_with_a_key_per_direction() -> 
     assert other_rank.check(*_frames(worker, payloads), payloads) is not None
 
 
-@pytest.mark.parametrize("change", ["payload byte", "header byte", "bytes moved between frames", "wrong secret",
-                                    "sequence number", "a frame dropped"])  # fmt: skip
-def test_a_changed_message_is_rejected_and_the_genuine_one_still_accepted(change: str) -> None:
+# small: every part under SMALL_PART_BYTES (BLAKE2b); large: a payload over it, 67 bytes past a multiple
+# of 128 (Poly1305, fed as its 128-byte rounds and the rest)
+SIZES = {"small": (3, 4), "large": (3, 40_000 + 128 + 67)}
+
+
+def _payloads(size: str) -> list[bytes]:
+    return [bytes((index * 7 + part) % 256 for index in range(length)) for part, length in enumerate(SIZES[size])]
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    changed = bytearray(data)
+    changed[at] ^= 1
+    return bytes(changed)
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("change", ["last payload byte", "first payload byte", "header byte",
+                                    "bytes moved between frames", "wrong secret", "sequence number",
+                                    "a frame dropped"])  # fmt: skip
+def test_a_changed_message_is_rejected_and_the_genuine_one_still_accepted(change: str, size: str) -> None:
     worker, server = session_pair()
-    payloads: list[bytes] = [b"abc", b"defg"]
+    payloads = _payloads(size)
+    assert (size == "large") == (max(map(len, payloads)) >= SMALL_PART_BYTES)
     sequence, body, tag = _frames(worker, payloads)
     checker, got_sequence, got_body, got = server, sequence, body, list(payloads)
-    if change == "payload byte":
-        got[1] = b"defh"
+    if change == "last payload byte":
+        got[1] = _flip(got[1], -1)
+    elif change == "first payload byte":
+        got[1] = _flip(got[1], 0)
     elif change == "header byte":
         changed = bytearray(body)
         changed[8] ^= 1  # the request id
         got_body = bytes(changed)
-    elif change == "bytes moved between frames":
-        got = [b"abcd", b"efg"]  # the same bytes in the same order: only the lengths tell
+    elif change == "bytes moved between frames":  # the same bytes in the same order: only the lengths tell
+        joined = b"".join(payloads)
+        got = [joined[: len(payloads[0]) + 1], joined[len(payloads[0]) + 1 :]]
     elif change == "wrong secret":
         checker = session_pair(b"not the secret")[1]
     elif change == "sequence number":
@@ -83,6 +111,19 @@ def test_a_changed_message_is_rejected_and_the_genuine_one_still_accepted(change
     problem = checker.check(got_sequence, got_body, tag, got)
     assert problem is not None and "bad message tag" in problem
     assert server.check(sequence, body, tag, payloads) is None  # a rejected message used up no number
+
+
+def test_one_time_keys_are_one_per_number_and_the_same_on_both_sides() -> None:
+    key = bytes(range(32))
+    sender, receiver = DirectionKeys(key), DirectionKeys(key)
+    numbers = [1, 2, DirectionKeys.PER_CALL - 1, DirectionKeys.PER_CALL, 10 * DirectionKeys.PER_CALL + 5]
+    made = [sender.one_time(number) for number in numbers]
+    assert len(set(made)) == len(numbers) and all(len(one) == 32 for one in made)
+    for number in range(1, (DirectionKeys.KEPT + 2) * DirectionKeys.PER_CALL, 61):  # past what the cache keeps
+        receiver.one_time(number)
+    assert [receiver.one_time(number) for number in reversed(numbers)] == made[::-1]  # made again where dropped
+    assert DirectionKeys(bytes(32)).one_time(1) != made[0]
+    assert sender.small not in made and len(sender.small) == 32
 
 
 def test_the_replay_window_accepts_each_number_once_within_its_size() -> None:
