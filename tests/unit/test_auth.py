@@ -19,6 +19,7 @@ from tandem.kvstore.ps.auth import (
     DirectionKeys,
     ReplayWindow,
     Session,
+    _session_tag,
     handshake_tag,
 )
 from tandem.kvstore.ps.curve import password_of, present_password
@@ -111,6 +112,32 @@ def test_a_changed_message_is_rejected_and_the_genuine_one_still_accepted(change
     problem = checker.check(got_sequence, got_body, tag, got)
     assert problem is not None and "bad message tag" in problem
     assert server.check(sequence, body, tag, payloads) is None  # a rejected message used up no number
+
+
+@pytest.mark.parametrize("sizes", [(), (0,), (15, 16), (1023,), (1024,), (1024 + 64,), (128 * 10,), (1000, 1000, 1000),
+                                   (2000,) * 3], ids=str)  # fmt: skip
+@pytest.mark.parametrize("key", ["w", "k" * 1000])  # a long key makes the header body itself a large part
+def test_every_size_round_trips_and_a_flipped_byte_anywhere_is_caught(sizes: tuple[int, ...], key: str) -> None:
+    worker, server = session_pair()
+    payloads = [bytes((index * 5 + part) % 256 for index in range(size)) for part, size in enumerate(sizes)]
+    header = Header(Command.PUSH, 7, Role.WORKER, 1, key=key, dtype=torch.uint8, shape=(1,), slice_stop=1)
+    sequence, body, tag = _frames(worker, payloads, header)
+    for part, payload in enumerate(payloads):
+        for at in {0, len(payload) // 2, len(payload) - 1} if payload else set():
+            changed = [*payloads[:part], _flip(payload, at), *payloads[part + 1 :]]
+            assert "bad message tag" in str(server.check(sequence, body, tag, changed)), (part, at)
+    assert "bad message tag" in str(server.check(sequence, _flip(body, -1), tag, payloads))
+    assert server.check(sequence, body, tag, payloads) is None
+
+
+def test_tags_are_the_documented_constructions() -> None:
+    """Fixed answers, computed from the constructions the module docstring states (BLAKE2b for a small
+    message, Poly1305 under ChaCha20 keystream for a large one, HMAC-SHA256 for a handshake), so that a
+    change to what is covered cannot pass by changing both sides at once."""
+    keys, body = DirectionKeys(bytes(range(32))), bytes(range(40))
+    assert _session_tag(keys, 5, body, [b"abc"]).hex() == "a085ba073b190a6073623aac78e2e2a9"
+    assert _session_tag(keys, 300, body, [bytes(5000)]).hex() == "b465de44c5cd2096a61c970cd62dc59b"
+    assert handshake_tag(b"secret", body, [b"{}"]).hex() == "4a780568a4d628324c44cd4aaf185533"
 
 
 def test_one_time_keys_are_one_per_number_and_the_same_on_both_sides() -> None:

@@ -9,11 +9,12 @@ on the way. Two kinds of tag:
   the worker's echoed back, so an answer recorded earlier cannot complete a new hello.
 - **Session** (everything after): both sides derive a session key from the secret and both nonces
   (``Session``), and from it a key per direction (``DirectionKeys``). Each message carries a
-  sequence number. A message with a tensor of 1 KB or more is tagged with Poly1305 under a one-time
-  key: 32 bytes of ChaCha20 keystream at that number (as RFC 8439 derives ChaCha20-Poly1305's);
-  Poly1305 runs at ~14 GB/s here where HMAC-SHA256 ran at 2 GB/s (one core, 16 MB). A smaller one
-  (most messages: requests, answers, tiny tensors) with keyed BLAKE2b over the number and the
-  message, 0.6 us where a Poly1305 object alone costs 1.6. Whole-message tags must not slow training.
+  sequence number. A message of 2 KB or more, or with a part (header or payload) of 1 KB or more,
+  is tagged with Poly1305 under a one-time key: 32 bytes of ChaCha20 keystream for that number
+  (``DirectionKeys.one_time``); Poly1305 runs at ~14 GB/s here where HMAC-SHA256 ran at 2 GB/s (one
+  core, 16 MB). A smaller one (most messages: requests, answers, tiny tensors) with keyed BLAKE2b
+  over the number and the message, 0.6 us where a Poly1305 object alone costs 1.6. Whole-message
+  tags must not slow training.
   A receiver accepts each sequence number once (``ReplayWindow``), so a message replayed on the
   connection, or onto another one (a different session key), is rejected.
 
@@ -26,6 +27,7 @@ import hashlib
 import hmac
 import itertools
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +36,8 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 TAG_BYTES = 16
 NONCE_BYTES = 16
-SMALL_PART_BYTES = 1024  # a message whose parts are all below: BLAKE2b (a Poly1305 object costs more than its bytes)
+SMALL_PART_BYTES = 1024  # smaller parts are copied into one buffer; a bigger one stays where it is
+SMALL_MESSAGE_BYTES = 2048  # a message covered in one buffer under this: BLAKE2b (a Poly1305 object costs more)
 MAX_HELLO_BYTES = 4096  # a hello's JSON; bigger ones are refused before their tag is computed
 HELLO_FRESH_SECONDS = 300.0  # a hello stamped further from the server's clock is refused (replays)
 
@@ -102,13 +105,13 @@ def handshake_tag(secret: bytes, body: bytes | bytearray, payloads: Sequence[Any
 class DirectionKeys:
     """The keys of one direction of a session, each derived from the direction's key:
 
-    - ``small``: BLAKE2b's key for messages whose parts are all under ``SMALL_PART_BYTES``;
+    - ``small``: BLAKE2b's key for small messages (``_session_tag``);
     - ``one_time(n)``: the Poly1305 key of sequence number ``n``: 32 bytes of ChaCha20 keystream,
-      nonce ``n // PER_CALL``, offset ``32 * (n % PER_CALL)`` (distinct nonces: no two numbers share
-      keystream). ``PER_CALL`` keys come from one keystream call, 0.03 us a key where an HMAC a
-      message cost 1.6 us.
+      nonce ``n // PER_CALL``, offset ``32 * (n % PER_CALL)``: no two numbers share keystream bytes
+      (RFC 8439 takes one key per nonce, from block 0; this takes ``PER_CALL`` keys per nonce, from
+      one keystream call: 0.03 us a key where an HMAC a message cost 1.6 us).
 
-    Thread safety: any thread (two threads missing the same keystream both make it: the same bytes)."""
+    Thread safety: any thread (a keystream is made and the cache trimmed under a lock)."""
 
     PER_CALL = 128
     KEPT = 4  # keystreams kept: numbers arrive out of order only within the replay window, mostly close
@@ -117,26 +120,31 @@ class DirectionKeys:
         self.small = hmac.digest(key, b"tandem small messages", hashlib.sha256)
         self._stream_key = hmac.digest(key, b"tandem one-time keys", hashlib.sha256)
         self._streams: dict[int, bytes] = {}
+        self._lock = threading.Lock()
 
     def one_time(self, sequence: int) -> bytes:
         call, index = divmod(sequence, self.PER_CALL)
         stream = self._streams.get(call)
         if stream is None:
-            if len(self._streams) >= self.KEPT:
-                self._streams.pop(min(list(self._streams)), None)  # list(): one atomic copy under the GIL
-            nonce = bytes(4) + call.to_bytes(12, "little")  # cryptography's 16-byte nonce: block counter 0, then ours
-            encryptor = Cipher(algorithms.ChaCha20(self._stream_key, nonce), mode=None).encryptor()
-            stream = self._streams[call] = encryptor.update(bytes(32 * self.PER_CALL))
+            with self._lock:  # a miss is one message in PER_CALL: the lock costs nothing on the hit path
+                stream = self._streams.get(call)
+                if stream is None:
+                    while len(self._streams) >= self.KEPT:
+                        del self._streams[min(self._streams)]
+                    nonce = bytes(4) + call.to_bytes(12, "little")  # cryptography's nonce: block counter 0, then ours
+                    encryptor = Cipher(algorithms.ChaCha20(self._stream_key, nonce), mode=None).encryptor()
+                    stream = self._streams[call] = encryptor.update(bytes(32 * self.PER_CALL))
         return stream[32 * index : 32 * index + 32]
 
 
 def _session_tag(keys: DirectionKeys, sequence: int, body: bytes | bytearray, payloads: Sequence[Any]) -> bytes:
-    """The tag of message ``sequence``: keyed BLAKE2b if its parts are small, else Poly1305 under its
+    """The tag of message ``sequence``: keyed BLAKE2b if the message is small, else Poly1305 under its
     one-time key. Which one follows from the part sizes, which both tags cover."""
     buffers = _covered(body, payloads)
-    if len(buffers) == 1:  # every part under SMALL_PART_BYTES, joined
-        return hashlib.blake2b(sequence.to_bytes(8, "little") + buffers[0], key=keys.small,
-                               digest_size=TAG_BYTES).digest()  # fmt: skip
+    if len(buffers) == 1 and len(buffers[0]) < SMALL_MESSAGE_BYTES:  # small parts only, few of them
+        small = hashlib.blake2b(sequence.to_bytes(8, "little"), key=keys.small, digest_size=TAG_BYTES)
+        small.update(buffers[0])
+        return small.digest()
     mac = Poly1305(keys.one_time(sequence))
     for buffer in buffers:
         mac.update(buffer)
@@ -157,18 +165,22 @@ class ReplayWindow:
         self.highest = 0
         self._seen = 0  # bit i: sequence number ``highest - i`` was accepted
 
-    def accept(self, sequence: int) -> bool:
+    def fresh(self, sequence: int) -> bool:
+        """Whether ``accept`` would take ``sequence`` (nothing recorded)."""
         if sequence <= 0:
+            return False
+        offset = self.highest - sequence
+        return offset < 0 or (offset < self.SIZE and not (self._seen >> offset) & 1)
+
+    def accept(self, sequence: int) -> bool:
+        if not self.fresh(sequence):
             return False
         if sequence > self.highest:
             shift = sequence - self.highest
             self._seen = ((self._seen << shift) | 1) & ((1 << self.SIZE) - 1) if shift < self.SIZE else 1
             self.highest = sequence
-            return True
-        offset = self.highest - sequence
-        if offset >= self.SIZE or (self._seen >> offset) & 1:
-            return False
-        self._seen |= 1 << offset
+        else:
+            self._seen |= 1 << (self.highest - sequence)
         return True
 
 
@@ -197,10 +209,14 @@ class Session:
         return _session_tag(self._send_keys, sequence, body, payloads)
 
     def check(self, sequence: int, body: bytes, tag: bytes, payloads: Sequence[Any]) -> str | None:
-        """None if the message is authentic and new (then its number counts as seen), else the problem."""
+        """None if the message is authentic and new (then its number counts as seen), else the problem.
+        The number is looked at first: a replay costs no tag, nor can it evict the keys of live numbers."""
+        if sequence <= 0:
+            return "bad message tag: no sequence number (a handshake's tag is no session tag)"
+        if not self.window.fresh(sequence):
+            return f"replayed message: sequence number {sequence} was seen already (or is too old)"
         if not hmac.compare_digest(tag, _session_tag(self._receive_keys, sequence, body, payloads)):
             return "bad message tag: the sender's TANDEM_PS_SECRET differs, or the message was changed"
-        if not self.window.accept(sequence):
-            return f"replayed message: sequence number {sequence} was seen already (or is too old)"
+        self.window.accept(sequence)
         self.confirmed = True
         return None
