@@ -74,7 +74,7 @@ def _covered(body: bytes | bytearray, payloads: Sequence[Any]) -> list[Any]:
     its length in 16 bytes, then the part zero-padded to 16 bytes. Lengths first keep the padding
     unambiguous (no byte can move between parts); padding keeps every part on Poly1305's 16-byte blocks.
 
-    Small pieces are joined (a copy is cheaper than a MAC update call); a payload of
+    Small pieces are joined (a copy is cheaper than a MAC update call); a part (header or payload) of
     ``SMALL_PART_BYTES`` or more stays where it is, as its multiple of 128 bytes: OpenSSL's vectorised
     Poly1305 eats 128 bytes a round, and an update whose length ran 64-127 bytes past a multiple of
     128 took twice as long, all of it (40,000 bytes: 5.6 us; as 39,936 + 64: 3.5 us)."""
