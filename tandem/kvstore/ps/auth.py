@@ -40,6 +40,8 @@ SMALL_PART_BYTES = 1024  # smaller parts are copied into one buffer; a bigger on
 SMALL_MESSAGE_BYTES = 2048  # a message covered in one buffer under this: BLAKE2b (a Poly1305 object costs more)
 MAX_HELLO_BYTES = 4096  # a hello's JSON; bigger ones are refused before their tag is computed
 HELLO_FRESH_SECONDS = 300.0  # a hello stamped further from the server's clock is refused (replays)
+_ZEROS = bytes(16)
+_ROUND = 128  # bytes OpenSSL's vectorised Poly1305 takes a round
 
 
 def new_nonce() -> bytes:
@@ -149,10 +151,6 @@ def _session_tag(keys: DirectionKeys, sequence: int, body: bytes | bytearray, pa
     for buffer in buffers:
         mac.update(buffer)
     return mac.finalize()
-
-
-_ZEROS = bytes(16)
-_ROUND = 128  # bytes OpenSSL's vectorised Poly1305 takes a round
 
 
 class ReplayWindow:
