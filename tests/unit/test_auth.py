@@ -4,17 +4,20 @@ a real ZeroMQ connection on 127.0.0.1 (sessions per connection, replays, the fra
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 import torch
 import zmq
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from zmq.utils.monitor import recv_monitor_message
 
 from tandem.kvstore.errors import ProtocolError
 from tandem.kvstore.ps.auth import (
-    SMALL_PART_BYTES,
+    ONE_CALL_BYTES,
     TAG_BYTES,
     DirectionKeys,
     ReplayWindow,
@@ -67,13 +70,13 @@ def test_a_session_round_trips_in_both_directions_with_a_key_per_direction() -> 
     assert other_rank.check(*_frames(worker, payloads), payloads) is not None
 
 
-# small: every part under SMALL_PART_BYTES (BLAKE2b); large: a payload over it, 67 bytes past a multiple
-# of 128 (Poly1305, fed as its 128-byte rounds and the rest)
-SIZES = {"small": (3, 4), "large": (3, 40_000 + 128 + 67)}
+# small: tagged in one AEAD call; large: covered in ONE_CALL_BYTES or more, 67 bytes past a multiple of
+# 128 (streamed through Poly1305 as its 128-byte rounds and the rest)
+SIZES = {"small": (3, 4), "large": (3, ONE_CALL_BYTES + 128 + 67)}
 
 
 def _payloads(size: str) -> list[bytes]:
-    return [bytes((index * 7 + part) % 256 for index in range(length)) for part, length in enumerate(SIZES[size])]
+    return [(bytes(range(part, part + 251)) * (length // 251 + 1))[:length] for part, length in enumerate(SIZES[size])]
 
 
 def _flip(data: bytes, at: int) -> bytes:
@@ -89,7 +92,7 @@ def _flip(data: bytes, at: int) -> bytes:
 def test_a_changed_message_is_rejected_and_the_genuine_one_still_accepted(change: str, size: str) -> None:
     worker, server = session_pair()
     payloads = _payloads(size)
-    assert (size == "large") == (max(map(len, payloads)) >= SMALL_PART_BYTES)
+    assert (size == "large") == (sum(map(len, payloads)) >= ONE_CALL_BYTES)
     sequence, body, tag = _frames(worker, payloads)
     checker, got_sequence, got_body, got = server, sequence, body, list(payloads)
     if change == "last payload byte":
@@ -114,43 +117,57 @@ def test_a_changed_message_is_rejected_and_the_genuine_one_still_accepted(change
     assert server.check(sequence, body, tag, payloads) is None  # a rejected message used up no number
 
 
-@pytest.mark.parametrize("sizes", [(), (0,), (15, 16), (1023,), (1024,), (1024 + 64,), (128 * 10,), (1000, 1000, 1000),
-                                   (2000,) * 3], ids=str)  # fmt: skip
-@pytest.mark.parametrize("key", ["w", "k" * 1000])  # a long key makes the header body itself a large part
+@pytest.mark.parametrize("sizes", [(), (0,), (15, 16), (1023,), (1024 + 64,), (128 * 10,), (1000, 1000, 1000),
+                                   (ONE_CALL_BYTES - 100,), (ONE_CALL_BYTES,), (ONE_CALL_BYTES + 64, 5, 0),
+                                   (1, 2, ONE_CALL_BYTES // 2, ONE_CALL_BYTES // 2 + 127)], ids=str)  # fmt: skip
+@pytest.mark.parametrize("key", ["w", "k" * 1000])  # a long key makes the header body a larger part
 def test_every_size_round_trips_and_a_flipped_byte_anywhere_is_caught(sizes: tuple[int, ...], key: str) -> None:
     worker, server = session_pair()
-    payloads = [bytes((index * 5 + part) % 256 for index in range(size)) for part, size in enumerate(sizes)]
+    payloads = [(bytes(range(part, part + 253)) * (size // 253 + 1))[:size] for part, size in enumerate(sizes)]
     header = Header(Command.PUSH, 7, Role.WORKER, 1, key=key, dtype=torch.uint8, shape=(1,), slice_stop=1)
     sequence, body, tag = _frames(worker, payloads, header)
     for part, payload in enumerate(payloads):
-        for at in {0, len(payload) // 2, len(payload) - 1} if payload else set():
+        for at in {0, 127, len(payload) // 2, len(payload) - 1} & set(range(len(payload))):
             changed = [*payloads[:part], _flip(payload, at), *payloads[part + 1 :]]
             assert "bad message tag" in str(server.check(sequence, body, tag, changed)), (part, at)
     assert "bad message tag" in str(server.check(sequence, _flip(body, -1), tag, payloads))
     assert server.check(sequence, body, tag, payloads) is None
 
 
-def test_tags_are_the_documented_constructions() -> None:
-    """Fixed answers, computed from the constructions the module docstring states (BLAKE2b for a small
-    message, Poly1305 under ChaCha20 keystream for a large one, HMAC-SHA256 for a handshake), so that a
+def _documented_tag(key: bytes, sequence: int, body: bytes, payloads: list[bytes]) -> bytes:
+    """The session tag as docs/security.md states it, built without ``auth``'s helpers: ChaCha20-Poly1305
+    (RFC 8439) with the sequence number as nonce, an empty plaintext, and as associated data the part
+    count and each part's length (8 bytes each, little-endian), then the parts, then zeros to a multiple
+    of 128 bytes."""
+    parts = [body, *payloads]
+    associated = b"".join([len(parts).to_bytes(8, "little"), *(len(part).to_bytes(8, "little") for part in parts), *parts])
+    associated += bytes(-len(associated) % 128)
+    return ChaCha20Poly1305(key).encrypt(sequence.to_bytes(12, "little"), b"", associated)
+
+
+@pytest.mark.parametrize("sizes", [(3,), (5000,), (ONE_CALL_BYTES + 67, 3)], ids=str)
+def test_tags_are_the_documented_construction(sizes: tuple[int, ...]) -> None:
+    """One AEAD call or streamed through Poly1305, the tag is the construction the docs state, so that a
     change to what is covered cannot pass by changing both sides at once."""
-    keys, body = DirectionKeys(bytes(range(32))), bytes(range(40))
-    assert _session_tag(keys, 5, body, [b"abc"]).hex() == "a085ba073b190a6073623aac78e2e2a9"
-    assert _session_tag(keys, 300, body, [bytes(5000)]).hex() == "b465de44c5cd2096a61c970cd62dc59b"
-    assert handshake_tag(b"secret", body, [b"{}"]).hex() == "4a780568a4d628324c44cd4aaf185533"
+    key, body = bytes(range(32)), bytes(range(40))
+    payloads = [bytes([part]) * size for part, size in enumerate(sizes)]
+    assert _session_tag(DirectionKeys(key), 300, body, payloads) == _documented_tag(key, 300, body, payloads)
 
 
-def test_one_time_keys_are_one_per_number_and_the_same_on_both_sides() -> None:
-    key = bytes(range(32))
-    sender, receiver = DirectionKeys(key), DirectionKeys(key)
-    numbers = [1, 2, DirectionKeys.PER_CALL - 1, DirectionKeys.PER_CALL, 10 * DirectionKeys.PER_CALL + 5]
-    made = [sender.one_time(number) for number in numbers]
-    assert len(set(made)) == len(numbers) and all(len(one) == 32 for one in made)
-    for number in range(1, (DirectionKeys.KEPT + 2) * DirectionKeys.PER_CALL, 61):  # past what the cache keeps
-        receiver.one_time(number)
-    assert [receiver.one_time(number) for number in reversed(numbers)] == made[::-1]  # made again where dropped
-    assert DirectionKeys(bytes(32)).one_time(1) != made[0]
-    assert sender.small not in made and len(sender.small) == 32
+def test_the_handshake_tag_is_the_documented_construction() -> None:
+    body = bytes(range(40))
+    associated = b"".join([(2).to_bytes(8, "little"), (40).to_bytes(8, "little"), (2).to_bytes(8, "little"), body, b"{}"])
+    associated += bytes(128 - len(associated))
+    assert handshake_tag(b"secret", body, [b"{}"]) == hmac.digest(b"secret", associated, hashlib.sha256)[:TAG_BYTES]
+
+
+def test_one_time_keys_are_rfc_8439s_and_one_per_nonce() -> None:
+    """RFC 8439 section 2.6.2's test vector, then: one key per nonce, the same on both sides."""
+    key = bytes.fromhex("808182838485868788898a8b8c8d8e8f909192939495969798999a9b9c9d9e9f")
+    expected = "8ad5a08b905f81cc815040274ab29471a833b637e3fd0da508dbb8e2fdd1a646"
+    assert DirectionKeys(key).one_time(bytes.fromhex("000000000001020304050607")).hex() == expected
+    made = [DirectionKeys(key).one_time(number.to_bytes(12, "little")) for number in (1, 2, 2**40)]
+    assert len(set(made)) == 3 and DirectionKeys(key).one_time((2).to_bytes(12, "little")) == made[1]
 
 
 def test_the_replay_window_accepts_each_number_once_within_its_size() -> None:

@@ -31,9 +31,9 @@ from tandem.kvstore.errors import ProtocolError
 from tandem.kvstore.ps.auth import TAG_BYTES, Session, handshake_tag
 
 MAGIC = b"TDKV"
-VERSION = 7  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked); 3: TAKE and PUT;
+VERSION = 8  # 2: the RECEIPT flag (a P3 server announces a parked request only when asked); 3: TAKE and PUT;
 # 4: the COMPRESSED flag (gradient compression, tandem.kvstore.compression); 5: BATCH; 6: sequence numbers,
-# tags over whole messages; 7: one-time keys from a ChaCha20 keystream
+# tags over whole messages; 7: one-time keys from a ChaCha20 keystream; 8: every session tag ChaCha20-Poly1305
 MAC_BYTES = TAG_BYTES
 MAX_NDIM = 16
 MAX_KEY_BYTES = 1024
