@@ -2,8 +2,8 @@
 
 Three settings of a parameter-server job:
 - ``none``: no secret (``tandem launch --no-secret``): messages unauthenticated;
-- ``auth``: a shared secret (``tandem launch``'s default): every message tagged (Poly1305, or keyed
-  BLAKE2b for small ones, under session keys) and checked, replays refused (docs/security.md);
+- ``auth``: a shared secret (``tandem launch``'s default): every message tagged (ChaCha20-Poly1305
+  under session keys) and checked, replays refused (docs/security.md);
 - ``auth+curve``: the secret and ZeroMQ CURVE on every link (``tandem launch --curve``).
 
 Two measurements:

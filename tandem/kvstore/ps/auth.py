@@ -142,6 +142,7 @@ class ReplayWindow:
     highest seen (a worker's threads number their messages before taking the socket in turn)."""
 
     SIZE = 4096
+    _KEPT_BITS = (1 << SIZE) - 1
 
     def __init__(self) -> None:
         self.highest = 0
@@ -159,7 +160,7 @@ class ReplayWindow:
             return False
         if sequence > self.highest:
             shift = sequence - self.highest
-            self._seen = ((self._seen << shift) | 1) & ((1 << self.SIZE) - 1) if shift < self.SIZE else 1
+            self._seen = ((self._seen << shift) | 1) & self._KEPT_BITS if shift < self.SIZE else 1
             self.highest = sequence
         else:
             self._seen |= 1 << (self.highest - sequence)
