@@ -11,6 +11,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -99,37 +101,49 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
                 last_read[source.name] = position[node]
     live: dict[str, tuple[fx.Node, int]] = {}  # name -> (copy, last position it may be reused at)
     flops = 0
-    lengths: dict[fx.Node, int] = {}
+    # how many mirrored values a recompute of each runs through; graph order puts inputs first
+    # (no recursion: an unrolled recurrence chains thousands of values)
+    chain_length: dict[fx.Node, int] = {}
+    for node in graph.graph.nodes:
+        if node.name in mirrored:
+            chain_length[node] = 1 + max((chain_length.get(a, 0) for a in cost.recompute_inputs(node)), default=0)
 
-    def chain_length(value: fx.Node) -> int:
-        """How many mirrored values a recompute of ``value`` runs through (graph order: inputs first)."""
-        if value not in lengths:
-            inputs = [chain_length(a) for a in cost.recompute_inputs(value) if a.name in mirrored]
-            lengths[value] = 1 + max(inputs, default=0)
-        return lengths[value]
-
-    def copy_of(value: fx.Node, reader: fx.Node, memo: dict[str, fx.Node], depth: int = 0) -> fx.Node:
+    def copy_of(root: fx.Node, reader: fx.Node, memo: dict[str, fx.Node]) -> fx.Node:
+        """The copy of ``root`` that ``reader`` reads: one made for this reader, a shared one still
+        live, or a new one made (its mirrored inputs first, depth first) just before ``reader``."""
         nonlocal flops
         here = position[reader]
-        if value.name in memo:
-            return memo[value.name]
-        held = live.get(value.name)
-        if held is not None and held[1] >= here:
-            return held[0]
-        # Deepest input chain first (Sethi-Ullman): a cheap input computed early would wait, alive, for it.
-        sources = sorted((a for a in cost.recompute_inputs(value) if a.name in mirrored), key=chain_length, reverse=True)
-        inputs = {a: copy_of(a, reader, memo, depth + 1) for a in sources}
-        with graph.graph.inserting_before(reader):
-            made = (_replay_batch_norm(graph, value, inputs) or _replay_dropout(graph, value, inputs)
-                    or [graph.graph.node_copy(value, lambda a: inputs.get(a, a))])
-        copy = made[-1]
-        for node in made:
-            node.meta = {**node.meta, MetaKey.PHASE: Phase.BACKWARD, MetaKey.RECOMPUTE_OF: value.name}
-            flops += cost.flops(node)
-        memo[value.name] = copy
-        if share(value) or depth >= MAX_REDO_DEPTH:  # a long chain (a recurrence) is redone once, not per read
-            live[value.name] = (copy, max(here, last_read.get(value.name, here)))
-        return copy
+
+        def existing(value: fx.Node) -> fx.Node | None:
+            if value.name in memo:
+                return memo[value.name]
+            held = live.get(value.name)
+            return held[0] if held is not None and held[1] >= here else None
+
+        stack: list[tuple[fx.Node, int, bool]] = [(root, 0, False)]  # (value, depth, its inputs made yet)
+        while stack:
+            value, depth, inputs_made = stack.pop()
+            if existing(value) is not None:
+                continue
+            # Deepest input chain first (Sethi-Ullman): a cheap input computed early would wait, alive, for it.
+            sources = sorted((a for a in cost.recompute_inputs(value) if a.name in mirrored),
+                             key=chain_length.__getitem__, reverse=True)  # fmt: skip
+            if not inputs_made:
+                stack.append((value, depth, True))
+                stack.extend((source, depth + 1, False) for source in reversed(sources))
+                continue
+            inputs = {source: cast(fx.Node, existing(source)) for source in sources}
+            with graph.graph.inserting_before(reader):
+                made = (_replay_batch_norm(graph, value, inputs) or _replay_dropout(graph, value, inputs)
+                        or [graph.graph.node_copy(value, partial(_copy_or_itself, inputs))])
+            copy = made[-1]
+            for node in made:
+                node.meta = {**node.meta, MetaKey.PHASE: Phase.BACKWARD, MetaKey.RECOMPUTE_OF: value.name}
+                flops += cost.flops(node)
+            memo[value.name] = copy
+            if share(value) or depth >= MAX_REDO_DEPTH:  # a long chain (a recurrence) is redone once, not per read
+                live[value.name] = (copy, max(here, last_read.get(value.name, here)))
+        return cast(fx.Node, existing(root))
 
     for reader in backward:
         memo: dict[str, fx.Node] = {}
@@ -140,6 +154,10 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
                 reader.replace_input_with(source, copy)
     graph.graph.lint()
     return flops
+
+
+def _copy_or_itself(copies: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:
+    return copies.get(node, node)
 
 
 def _replay_batch_norm(graph: TrainGraph, value: fx.Node, inputs: dict[fx.Node, fx.Node]) -> list[fx.Node] | None:

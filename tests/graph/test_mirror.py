@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -20,7 +21,7 @@ from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
 from tandem.passes.manager import plan
 from tandem.passes.mirror import MirrorPolicy
 from tandem.step import StepConfig
-from tests.conftest import twin, zoo_case
+from tests.conftest import assert_same_step, twin, zoo_case
 
 POLICIES = ["all", "sqrt", "memory-aware", 0.6]
 EXACT = dict(rtol=1e-7, atol=1e-10)
@@ -223,6 +224,39 @@ def test_impossible_budget_warns_and_uses_the_smallest_plan(caplog: pytest.LogCa
     assert "no mirroring plan fits the budget of 1000 bytes" in caplog.text
     step(*batch)
     assert step.memory_report()["budget_met"] is False
+
+
+class LongRecurrence(nn.Module):
+    """An RNN unrolled over many steps: one chain of thousands of ops, every one mirrorable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = torch.zeros(inputs.shape[0], 8)
+        for step in range(inputs.shape[1]):
+            hidden = torch.tanh(self.cell(hidden) + inputs[:, step])
+        return hidden
+
+
+def test_a_long_recurrence_plans_within_pythons_default_recursion_limit() -> None:
+    """Recompute copies are made without recursion: a chain of ~1,000 values once overflowed the stack."""
+    torch.manual_seed(0)
+    module, inputs = LongRecurrence(), torch.randn(4, 250, 8)
+    reference = twin(module)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # Python's default (importing inductor raises it)
+    try:
+        step = tandem.compile(module, loss_sum, inputs, mirror=0.5)  # a budget: min-cut plans chain every step
+        result = step(inputs)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert recomputed(step.graph)
+    eager_loss = loss_sum(reference, inputs)
+    eager_loss.backward()
+    eager_grads = {name: parameter.grad for name, parameter in reference.named_parameters()}
+    assert_same_step(result, eager_loss.detach(), eager_grads, rtol=1e-5, atol=1e-6)
 
 
 # -- the option ------------------------------------------------------------------------------------
