@@ -125,6 +125,15 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
             value, depth, inputs_made = stack.pop()
             if existing(value) is not None:
                 continue
+            stacked = _stacked_input(value)
+            if stacked is not None:  # a slice of a stack is that input: no stack rebuilt for one slice
+                if stacked.name not in mirrored:
+                    memo[value.name] = stacked
+                elif inputs_made:
+                    memo[value.name] = cast(fx.Node, existing(stacked))
+                else:
+                    stack += [(value, depth, True), (stacked, depth + 1, False)]
+                continue
             # Deepest input chain first (Sethi-Ullman): a cheap input computed early would wait, alive, for it.
             sources = sorted((a for a in cost.recompute_inputs(value) if a.name in mirrored),
                              key=chain_length.__getitem__, reverse=True)  # fmt: skip
@@ -154,6 +163,26 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
                 reader.replace_input_with(source, copy)
     graph.graph.lint()
     return flops
+
+
+def _stacked_input(node: fx.Node) -> fx.Node | None:
+    """For ``select(stack(inputs, dim), dim, i)`` with constant ``i``: ``inputs[i]`` (equal values), else None.
+
+    An RNN stacks its outputs over time and the next layer reads them back one step at a time;
+    recomputing the stack once per read would rebuild every step's slice to read one."""
+    if node.target is not torch.ops.aten.select.int or len(node.args) != 3:
+        return None
+    source, dim, index = node.args
+    if not isinstance(source, fx.Node) or source.target is not torch.ops.aten.stack.default:
+        return None
+    inputs, stack_dim = source.args[0], source.args[1] if len(source.args) > 1 else source.kwargs.get("dim", 0)
+    value = source.meta.get("val")
+    if not isinstance(inputs, list | tuple) or not isinstance(value, torch.Tensor) or not isinstance(index, int):
+        return None
+    if not isinstance(dim, int) or not isinstance(stack_dim, int) or dim % value.dim() != stack_dim % value.dim():
+        return None
+    chosen = inputs[index] if -len(inputs) <= index < len(inputs) else None
+    return chosen if isinstance(chosen, fx.Node) else None
 
 
 def _copy_or_itself(copies: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:
