@@ -125,7 +125,7 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
             value, depth, inputs_made = stack.pop()
             if existing(value) is not None:
                 continue
-            stacked = _stacked_input(value)
+            stacked = _stacked_input(value, mirrored)
             if stacked is not None:  # a slice of a stack is that input: no stack rebuilt for one slice
                 if stacked.name not in mirrored:
                     memo[value.name] = stacked
@@ -165,24 +165,38 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
     return flops
 
 
-def _stacked_input(node: fx.Node) -> fx.Node | None:
-    """For ``select(stack(inputs, dim), dim, i)`` with constant ``i``: ``inputs[i]`` (equal values), else None.
+def _stacked_input(node: fx.Node, mirrored: set[str]) -> fx.Node | None:
+    """For ``select(stack(inputs, dim), dim, i)`` of a recomputed stack: ``inputs[i]``, if it can stand
+    in for the slice (same dtype and shape, contiguous, no reader that addresses memory by stride),
+    else None.
 
     An RNN stacks its outputs over time and the next layer reads them back one step at a time;
-    recomputing the stack once per read would rebuild every step's slice to read one."""
+    recomputing the stack once per read would rebuild every step's slice to read one. A kept
+    stack's slice is a free view: then nothing changes."""
     if node.target is not torch.ops.aten.select.int or len(node.args) != 3:
         return None
     source, dim, index = node.args
-    if not isinstance(source, fx.Node) or source.target is not torch.ops.aten.stack.default:
+    if not isinstance(source, fx.Node) or source.target is not torch.ops.aten.stack.default or source.name not in mirrored:
         return None
     inputs, stack_dim = source.args[0], source.args[1] if len(source.args) > 1 else source.kwargs.get("dim", 0)
-    value = source.meta.get("val")
-    if not isinstance(inputs, list | tuple) or not isinstance(value, torch.Tensor) or not isinstance(index, int):
+    stacked = source.meta.get("val")
+    if not isinstance(inputs, list | tuple) or not isinstance(stacked, torch.Tensor) or not isinstance(index, int):
         return None
-    if not isinstance(dim, int) or not isinstance(stack_dim, int) or dim % value.dim() != stack_dim % value.dim():
+    if not isinstance(dim, int) or not isinstance(stack_dim, int) or dim % stacked.dim() != stack_dim % stacked.dim():
         return None
     chosen = inputs[index] if -len(inputs) <= index < len(inputs) else None
-    return chosen if isinstance(chosen, fx.Node) else None
+    if not isinstance(chosen, fx.Node):
+        return None
+    wanted, found = node.meta.get("val"), chosen.meta.get("val")
+    if not isinstance(wanted, torch.Tensor) or not isinstance(found, torch.Tensor):
+        return None
+    # a contiguous tensor takes every view its strided twin takes; stack may promote dtypes
+    if found.dtype != wanted.dtype or found.shape != wanted.shape or not found.is_contiguous():
+        return None
+    return None if any(user.target in _STRIDED_READS for user in node.users) else chosen
+
+
+_STRIDED_READS = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_scatter.default}
 
 
 def _copy_or_itself(copies: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:

@@ -7,11 +7,13 @@ import functools
 import operator
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import tandem
 from tandem.executor import Executor
@@ -20,6 +22,7 @@ from tandem.graph.capture import capture
 from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
 from tandem.passes.manager import plan
 from tandem.passes.mirror import MirrorPolicy
+from tandem.passes.mirror_rewrite import _stacked_input
 from tandem.step import StepConfig
 from tests.conftest import assert_same_step, twin, zoo_case
 
@@ -269,6 +272,37 @@ def test_a_slice_of_a_recomputed_stack_is_its_input_not_a_rebuilt_stack() -> Non
     assert all(user.target is not aten.select.int for stack in stacks for user in stack.users)
     for got, want in zip(outputs, off_run("lstm_lm")[0]):
         torch.testing.assert_close(got, want, **EXACT)
+
+
+def _select_of_stack(stacked_inputs: Any, dim: int, index: int) -> tuple[fx.Node, dict[str, fx.Node]]:
+    """The traced ``select(stack(inputs, dim), dim, index)`` and the traced graph's nodes by name."""
+    def slice_of_stack(*inputs: torch.Tensor) -> torch.Tensor:
+        return torch.stack([stacked_inputs(x) for x in inputs], dim=dim).select(dim, index)
+
+    traced = make_fx(slice_of_stack)(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3))
+    nodes = {n.name: n for n in traced.graph.nodes}
+    return next(n for n in traced.graph.nodes if n.target is aten.select.int), nodes
+
+
+@pytest.mark.parametrize(("dim", "index"), [(0, 1), (1, -1), (-1, 2), (2, 0)])
+def test_a_slice_of_a_recomputed_stack_stands_in_only_where_it_is_the_same_value(dim: int, index: int) -> None:
+    select, nodes = _select_of_stack(torch.sin, dim, index)
+    stack = select.args[0]
+    assert isinstance(stack, fx.Node)
+    sines = [n for n in nodes.values() if n.target is aten.sin.default]
+    assert _stacked_input(select, {stack.name}) is sines[index]
+    assert _stacked_input(select, set()) is None  # a kept stack: its slice is a free view of it
+    transposed, nodes = _select_of_stack(lambda x: x.t().contiguous().t(), dim, index)  # not contiguous
+    assert _stacked_input(transposed, set(nodes)) is None
+
+
+def test_a_slice_of_a_stack_that_promoted_its_dtype_is_not_its_input() -> None:
+    def mixed(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return torch.stack([first.half(), second], dim=0).select(0, 0)
+
+    traced = make_fx(mixed)(torch.randn(3), torch.randn(3))
+    select = next(n for n in traced.graph.nodes if n.target is aten.select.int)
+    assert _stacked_input(select, {n.name for n in traced.graph.nodes}) is None
 
 
 # -- the option ------------------------------------------------------------------------------------

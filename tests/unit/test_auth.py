@@ -145,13 +145,25 @@ def _documented_tag(key: bytes, sequence: int, body: bytes, payloads: list[bytes
     return ChaCha20Poly1305(key).encrypt(sequence.to_bytes(12, "little"), b"", associated)
 
 
-@pytest.mark.parametrize("sizes", [(3,), (5000,), (ONE_CALL_BYTES + 67, 3)], ids=str)
-def test_tags_are_the_documented_construction(sizes: tuple[int, ...]) -> None:
+def _as(kind: str, data: bytes) -> Any:
+    """``data`` as a payload of ``kind``: bytes, a 2-D float32 memoryview, or a received zmq.Frame."""
+    if kind == "floats" and len(data) % 8 == 0:
+        return memoryview(bytearray(data)).cast("f", (2, len(data) // 8))
+    return zmq.Frame(data) if kind == "frame" else data
+
+
+# one AEAD call; streamed: a big part 67 bytes past a round, several big parts, a covered size of exactly
+# ONE_CALL_BYTES (40-byte body, 24 bytes of lengths), a big part that starts on a 128-byte round (32 + 40 + 56)
+@pytest.mark.parametrize("sizes", [(3,), (5000,), (ONE_CALL_BYTES + 67, 3), (ONE_CALL_BYTES // 2 + 8, ONE_CALL_BYTES // 2 + 296),
+                                   (ONE_CALL_BYTES - 64,), (56, ONE_CALL_BYTES)], ids=str)  # fmt: skip
+@pytest.mark.parametrize("kind", ["bytes", "floats", "frame"])
+def test_tags_are_the_documented_construction(sizes: tuple[int, ...], kind: str) -> None:
     """One AEAD call or streamed through Poly1305, the tag is the construction the docs state, so that a
     change to what is covered cannot pass by changing both sides at once."""
     key, body = bytes(range(32)), bytes(range(40))
-    payloads = [bytes([part]) * size for part, size in enumerate(sizes)]
-    assert _session_tag(DirectionKeys(key), 300, body, payloads) == _documented_tag(key, 300, body, payloads)
+    payloads = [(bytes(range(part, part + 251)) * (size // 251 + 1))[:size] for part, size in enumerate(sizes)]
+    tag = _session_tag(DirectionKeys(key), 300, body, [_as(kind, payload) for payload in payloads])
+    assert tag == _documented_tag(key, 300, body, payloads)
 
 
 def test_the_handshake_tag_is_the_documented_construction() -> None:

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 TAG_BYTES = 16
 NONCE_BYTES = 16
-# a message covered in fewer bytes is copied into one buffer for one AEAD call; a bigger one is streamed
+# a message covered in fewer bytes (KiB) is copied into one buffer for one AEAD call; a bigger one is streamed
 # (its one-time key and Poly1305 object cost ~5 us, which copying up to ~400 KB costs too)
 ONE_CALL_BYTES = 256 * 1024
 MAX_HELLO_BYTES = 4096  # a hello's JSON; bigger ones are refused before their tag is computed
