@@ -90,7 +90,8 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
     reads several times keeps one *direct* copy until its last read (as the original would have
     lived). Copies made only to feed another recompute are redone per read point unless
     ``share`` says the op is worth keeping: sharing a cheap copy would keep it alive from the
-    first read of its consumer to its own last read, which can cost more than it saves.
+    first read of its consumer to its own last read, which can cost more than it saves. A slice of
+    a recomputed stack reads the stacked input itself (``_stacked_input``).
     """
     backward = [n for n in graph.op_nodes() if graph.phase_of(n) == Phase.BACKWARD]
     position = {node: i for i, node in enumerate(backward)}
@@ -165,6 +166,9 @@ def insert_recompute(graph: TrainGraph, mirrored: set[str], share: Share) -> int
     return flops
 
 
+_STRIDED_READS = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_scatter.default}
+
+
 def _stacked_input(node: fx.Node, mirrored: set[str]) -> fx.Node | None:
     """For ``select(stack(inputs, dim), dim, i)`` of a recomputed stack: ``inputs[i]``, if it can stand
     in for the slice (same dtype and shape, contiguous, no reader that addresses memory by stride),
@@ -194,9 +198,6 @@ def _stacked_input(node: fx.Node, mirrored: set[str]) -> fx.Node | None:
     if found.dtype != wanted.dtype or found.shape != wanted.shape or not found.is_contiguous():
         return None
     return None if any(user.target in _STRIDED_READS for user in node.users) else chosen
-
-
-_STRIDED_READS = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_scatter.default}
 
 
 def _copy_or_itself(copies: dict[fx.Node, fx.Node], node: fx.Node) -> fx.Node:
