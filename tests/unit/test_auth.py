@@ -75,8 +75,13 @@ def test_a_session_round_trips_in_both_directions_with_a_key_per_direction() -> 
 SIZES = {"small": (3, 4), "large": (3, ONE_CALL_BYTES + 128 + 67)}
 
 
+def _patterned(sizes: Sequence[int]) -> list[bytes]:
+    """A payload per size, each part its own repeating byte pattern."""
+    return [(bytes(range(part, part + 251)) * (size // 251 + 1))[:size] for part, size in enumerate(sizes)]
+
+
 def _payloads(size: str) -> list[bytes]:
-    return [(bytes(range(part, part + 251)) * (length // 251 + 1))[:length] for part, length in enumerate(SIZES[size])]
+    return _patterned(SIZES[size])
 
 
 def _flip(data: bytes, at: int) -> bytes:
@@ -123,7 +128,7 @@ def test_a_changed_message_is_rejected_and_the_genuine_one_still_accepted(change
 @pytest.mark.parametrize("key", ["w", "k" * 1000])  # a long key makes the header body a larger part
 def test_every_size_round_trips_and_a_flipped_byte_anywhere_is_caught(sizes: tuple[int, ...], key: str) -> None:
     worker, server = session_pair()
-    payloads = [(bytes(range(part, part + 253)) * (size // 253 + 1))[:size] for part, size in enumerate(sizes)]
+    payloads = _patterned(sizes)
     header = Header(Command.PUSH, 7, Role.WORKER, 1, key=key, dtype=torch.uint8, shape=(1,), slice_stop=1)
     sequence, body, tag = _frames(worker, payloads, header)
     for part, payload in enumerate(payloads):
@@ -161,7 +166,7 @@ def test_tags_are_the_documented_construction(sizes: tuple[int, ...], kind: str)
     """One AEAD call or streamed through Poly1305, the tag is the construction the docs state, so that a
     change to what is covered cannot pass by changing both sides at once."""
     key, body = bytes(range(32)), bytes(range(40))
-    payloads = [(bytes(range(part, part + 251)) * (size // 251 + 1))[:size] for part, size in enumerate(sizes)]
+    payloads = _patterned(sizes)
     tag = _session_tag(DirectionKeys(key), 300, body, [_as(kind, payload) for payload in payloads])
     assert tag == _documented_tag(key, 300, body, payloads)
 

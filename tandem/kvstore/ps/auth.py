@@ -44,7 +44,6 @@ MAX_HELLO_BYTES = 4096  # a hello's JSON; bigger ones are refused before their t
 HELLO_FRESH_SECONDS = 300.0  # a hello stamped further from the server's clock is refused (replays)
 _ROUND = 128  # bytes OpenSSL's vectorised Poly1305 takes a round
 _ROUND_OF_ZEROS = bytes(_ROUND)
-_LENGTHS = [struct.Struct(f"<{count + 1}Q") for count in range(64)]  # the part count, then each part's length
 
 
 def new_nonce() -> bytes:
@@ -62,8 +61,8 @@ def attempt_key(secret: bytes, attempt: str) -> bytes:
 
 
 def _lengths(sizes: list[int]) -> bytes:
-    count = len(sizes)
-    return (_LENGTHS[count] if count < len(_LENGTHS) else struct.Struct(f"<{count + 1}Q")).pack(count, *sizes)
+    """The part count, then each part's length (struct caches the compiled format)."""
+    return struct.pack(f"<{len(sizes) + 1}Q", len(sizes), *sizes)
 
 
 def covered(body: bytes | bytearray, payloads: Sequence[Any]) -> tuple[list[Any], int]:
@@ -193,7 +192,7 @@ class Session:
 
     def check(self, sequence: int, body: bytes, tag: bytes, payloads: Sequence[Any]) -> str | None:
         """None if the message is authentic and new (then its number counts as seen), else the problem.
-        The number is looked at first: a replay costs no tag, nor can it evict the keys of live numbers."""
+        The number is looked at first: a replay costs no tag."""
         if sequence <= 0:
             return "bad message tag: no sequence number (a handshake's tag is no session tag)"
         if not self.window.fresh(sequence):
