@@ -1,7 +1,7 @@
 """tandem on a CUDA GPU: both backends against eager autograd, and step times beside torch.compile.
 
     python bench/gpu.py [--models resnet,gpt,lstm_lm,hf-gpt2,hf-llama] [--steps 10] [--repeats 7]
-                        [--no-collective] [--device cuda]
+                        [--no-collective] [--deterministic] [--gradients] [--device cuda]
 
 Not a test: the CI machine has no GPU. Run it by hand where one is; the figures land in
 docs/benchmarks.md. The models and batches are bench/compiled.py's (tiny: on a large GPU their steps
@@ -18,6 +18,10 @@ that eager and tandem compute the same sums. Per model:
   intermediate storages, what mirroring budgets count; no library workspaces).
 * **Step time** (forward + loss + backward, synchronised): eager, ``torch.compile`` (default mode),
   tandem aten, tandem inductor; medians of ``--repeats`` interleaved rounds after 2 warm-up rounds.
+
+``--deterministic`` runs deterministic cuDNN and cuBLAS kernels, so that eager's run-to-run spread is
+0; ``--gradients`` also compares one step's gradients of each backend, and of ``torch.compile``,
+with eager's (which parameters differ, and by how much, before any update compounds it).
 
 ``--collective`` (the default): ``Trainer(kvstore="collective", communication="p3")`` on NCCL, one
 worker under torchrun (one GPU: NCCL refuses two ranks on one device), 10 steps of the gpt model:
@@ -99,10 +103,36 @@ def numerics(name: str, device: torch.device, steps: int) -> dict[str, Any]:
             finally:
                 trainer.close()
         final = dict(ours.named_parameters())
+        errors = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, expected)]
         result[backend] = {
-            "loss": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, expected)),
+            "first loss": errors[0],  # before any update: the forward's own rounding, not its growth over steps
+            "loss": max(errors),
             "parameters": max(relative(final[n], p) for n, p in reference.named_parameters()),
         }
+    return result
+
+
+def gradients(name: str, device: torch.device) -> dict[str, Any]:
+    """One step's gradients of each backend against eager's: the largest relative error of a parameter's
+    gradient, which parameter, and its gradient's norm beside the largest gradient norm of the model
+    (a tiny gradient's relative error is large for the same absolute rounding)."""
+    module, loss_fn, batch = model(name, device)
+    loss_fn(module, *batch).backward()
+    expected = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    largest = max(float(g.norm()) for g in expected.values())
+    result: dict[str, Any] = {}
+    for backend in ("torch.compile", "aten", "inductor"):
+        if backend == "torch.compile":  # inductor's own rounding, for scale
+            twin = copy.deepcopy(module)
+            loss_fn(torch.compile(twin), *batch).backward()
+            grads = {n: p.grad for n, p in twin.named_parameters()}
+        else:
+            grads = tandem.compile(copy.deepcopy(module), loss_fn, *batch, backend=backend)(*batch).grads
+        errors = {n: relative(grads[n], g) for n, g in expected.items()}
+        worst = max(errors, key=errors.__getitem__)
+        result[backend] = {"error": errors[worst], "parameter": worst,
+                           "norm / largest norm": float(expected[worst].norm()) / largest,
+                           "median error": sorted(errors.values())[len(errors) // 2]}  # fmt: skip
     return result
 
 
@@ -235,9 +265,13 @@ def report(device: torch.device, steps: int, checked: dict[str, Any], timed: dic
         memory_rows.append([name, *(f"{peaks[k]:.1f}" for k in MEMORY_COLUMNS)])
     times = markdown_table(["model", "eager ms", *[f"{label} / eager" for label in labels]], time_rows)
     memory = markdown_table(["model", *(f"{k} MiB" for k in MEMORY_COLUMNS)], memory_rows)
-    lines = [f"Device: {device_name(device)}, torch {torch.__version__}, float32, TF32 off.",
+    first = "; ".join(f"{name} " + ", ".join(f"{r} {result[r]['first loss']:.1e}" for r in runs)
+                      for name, result in checked.items() if result is not None)  # fmt: skip
+    kernels = "deterministic kernels" if torch.backends.cudnn.deterministic else "default kernels"
+    lines = [f"Device: {device_name(device)}, torch {torch.__version__}, float32, TF32 off, {kernels}.",
              f"Numerics: largest relative error over {steps} SGD steps against eager autograd "
              "(a loss: per step; a parameter: by norm).", numbers, "\n".join(verdicts),
+             f"Relative error of the first step's loss (before any update): {first}",
              "Step time (forward + loss + backward, synchronised; medians of interleaved rounds):", times,
              "Peak device memory of one step (the allocator's, above what was live before it; 'meter': "
              "tandem's count of live intermediate storages):", memory]
@@ -255,10 +289,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds (medians)")
     parser.add_argument("--device", default="cuda:0", help="a CUDA device ('cpu': a smoke run of the script)")
     parser.add_argument("--no-collective", action="store_true", help="skip the NCCL collective check")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic cuDNN and cuBLAS kernels (eager's run-to-run spread becomes 0)")
+    parser.add_argument("--gradients", action="store_true", help="also one step's gradients against eager's")
     parser.add_argument("--collective-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # eager and tandem must compute the same float32 sums
     torch.backends.cudnn.allow_tf32 = False
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode needs it
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device(args.device)
     if args.collective_child:
         collective_child(device, args.steps)
@@ -272,6 +313,9 @@ def main() -> None:
         torch.cuda.set_device(device)
     names = args.models.split(",")
     checked = {name: guarded(f"numerics {name}", partial(numerics, name, device, args.steps)) for name in names}
+    if args.gradients:
+        for name in names:
+            guarded(f"gradients {name}", partial(gradients, name, device))
     timed = {name: guarded(f"timing {name}", partial(timing, name, device, args.repeats)) for name in names}
     collective_result = None if args.no_collective else guarded("collective", lambda: collective(device, args.steps))
     text = report(device, args.steps, checked, timed, collective_result)
