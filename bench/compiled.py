@@ -1,7 +1,7 @@
 """Compiled segments (issue #28): tandem's inductor backend against eager and torch.compile.
 
     python bench/compiled.py [--models resnet,gpt,lstm_lm,hf-gpt2,hf-llama] [--threads 1,2]
-                             [--repeats 7] [--clock cpu|wall] [--quick]
+                             [--repeats 7] [--clock cpu|wall] [--quick] [--first-call-only]
 
 Three measurements, each model in fresh subprocesses (inductor specializes its kernels to the
 thread count, and dynamo's caches stay per process):
@@ -25,6 +25,8 @@ thread count, and dynamo's caches stay per process):
   ``import torch`` are not counted.
 
 ``--quick``: gpt only, 1 thread, 3 rounds (a smoke run of the script; its numbers mean little).
+``--first-call-only``: the first-call table alone (bench/out/compiled_first_call.md), for
+re-measuring compile times on a quiet machine.
 Writes bench/out/compiled.md, bench/out/compiled_memory.png and bench/out/compiled_time.png.
 """
 
@@ -332,6 +334,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="cpu",
                         help="cpu: process CPU time of all threads (robust on a loaded machine); wall: perf_counter")
     parser.add_argument("--quick", action="store_true", help="gpt, 1 thread, 3 rounds: checks the script")
+    parser.add_argument("--first-call-only", action="store_true",
+                        help="only the first-call table (cold and warm compiles; writes compiled_first_call.md)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -355,7 +359,7 @@ def main() -> None:
     sweeps: dict[str, dict[str, Any]] = {}
     first_calls: dict[str, dict[str, dict[str, Any]]] = {}
     for name in models:
-        for threads in thread_counts:
+        for threads in thread_counts if not args.first_call_only else ():
             sweep = threads == thread_counts[0]
             result = run_child(["timing", name, str(threads), "sweep" if sweep else "-", str(args.repeats), args.clock],
                                shared_cache)
@@ -374,9 +378,16 @@ def main() -> None:
                 first_calls[name][f"{system} {temperature}"] = run_child(["first-call", name, system], cache)
         print(f"{name}: first call " + ", ".join(f"{k} {v['seconds']:.1f}s" for k, v in first_calls[name].items()), flush=True)
     minutes = (time.perf_counter() - started) / 60
+    first_table, first_goals = first_call_section(first_calls)
+    if args.first_call_only:
+        text = (f"({date.today().isoformat()}; {os.cpu_count()}-core CPU ({cpu_name()}), torch {torch.__version__}, "
+                f"ran {minutes:.1f} minutes)\n\nFirst call (capture + compile + first step), 1 thread, fresh "
+                f"subprocesses:\n\n{first_table}\n\nGoals:\n\n" + "\n".join(first_goals))
+        print(f"\nCommand: `{command_line()}`\n\n{text}")
+        write_report("compiled_first_call", text)
+        return
     time_table, time_goals = time_section(timing)
     memory_table, memory_goals = memory_section(sweeps)
-    first_table, first_goals = first_call_section(first_calls)
     header = (f"({date.today().isoformat()}; {os.cpu_count()}-core CPU ({cpu_name()}), torch {torch.__version__}, "
               f"medians of {args.repeats} interleaved rounds, {args.clock} clock; ran {minutes:.1f} minutes"
               + ("; --quick: a smoke run, the numbers mean little" if args.quick else "") + ")")
