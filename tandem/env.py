@@ -57,6 +57,9 @@ _declare("TANDEM_KVSTORE_BIGARRAY_BOUND", int, 1_000_000, "arrays of at least th
 _declare("TANDEM_KVSTORE_SLICE_THRESHOLD", int, 40_000, "P3 slice size in elements (0: tune it automatically)")
 _declare("TANDEM_KVSTORE_P3", bool, False, "make dist_sync/dist_async stores P3 stores (set by `tandem launch --p3`)")
 _declare("TANDEM_PS_WATER_MARK", int, 10, "P3: max pushes in flight (sent, not yet acknowledged) per worker")
+_declare("TANDEM_PS_BATCH_SEGMENTS", bool, True,
+         "P3: a backward segment's gradients leave together (one message per server where they fit), not one "
+         "request per parameter as each gradient is announced")
 _declare("TANDEM_PS_HEARTBEAT", float, 1.0, "seconds between heartbeats")
 _declare("TANDEM_PS_COALESCE_BYTES", int, 256 * 1024,
          "data requests to one server (and a server's replies to one worker) sent together in one message, "

@@ -30,6 +30,7 @@ from tandem.graph.cost import tensor_values
 from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
 
 GradientHook = Callable[[str, torch.Tensor], None]
+SegmentHook = Callable[[list[tuple[str, torch.Tensor]]], None]  # every gradient one segment finished, in order
 
 
 @dataclass
@@ -123,6 +124,7 @@ class Executor:
         if backend == "inductor":
             self._compile_segments(set(outputs))
         self.hooks: list[GradientHook] = []
+        self.segment_hooks: list[SegmentHook] = []
         self.last_report: RunReport | None = None
         self._done = Var("step")  # every segment writes it: segments run in graph order
 
@@ -276,10 +278,14 @@ class Executor:
         return [slots[i] for i in self.output_slots], stats
 
     def _announce(self, segment: Segment, slots: list[Any]) -> None:
-        if self.hooks and segment.gradients:
-            for name in segment.gradients:
-                for hook in self.hooks:
-                    hook(name, slots[self._slot[self.train_graph.grads[name]]])
+        if not segment.gradients or not (self.hooks or self.segment_hooks):
+            return
+        gradients = [(name, slots[self._slot[self.train_graph.grads[name]]]) for name in segment.gradients]
+        for name, gradient in gradients:
+            for hook in self.hooks:
+                hook(name, gradient)
+        for segment_hook in self.segment_hooks:
+            segment_hook(gradients)
 
     def segment_sizes(self) -> list[int]:
         return [s.num_nodes for s in self.segments]

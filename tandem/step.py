@@ -19,7 +19,7 @@ from torch import nn
 
 from tandem.backends import BACKENDS
 from tandem.errors import BatchMismatchError
-from tandem.executor import NO_HOOKS, Executor, GradientHook, MemoryStats, StepHooks
+from tandem.executor import NO_HOOKS, Executor, GradientHook, MemoryStats, SegmentHook, StepHooks
 from tandem.graph.batch import BatchLayout
 from tandem.graph.capture import LossFn, capture, capture_inference
 from tandem.graph.train_graph import TrainGraph
@@ -144,6 +144,7 @@ class TrainStep:
     _compiled: dict[BatchLayout, _Compiled] = field(default_factory=dict)
     _last: _Compiled | None = None
     _hooks: list[GradientHook] = field(default_factory=list)
+    _segment_hooks: list[SegmentHook] = field(default_factory=list)
 
     # -- public ------------------------------------------------------------------------------
     def __call__(self, *batch: Any, hooks: StepHooks = NO_HOOKS) -> Any:
@@ -249,6 +250,15 @@ class TrainStep:
         for compiled in self._compiled.values():
             compiled.executor.hooks = self._hooks
 
+    def add_segment_hook(self, hook: SegmentHook) -> None:
+        """hook(gradients) runs once when a segment that finishes gradients ends, with all of them as
+        (name, grad) pairs in order (after the gradient hooks): where sending them together pays, as
+        a kvstore sending one message per server rather than one per parameter. Runs on the engine's
+        thread, as gradient hooks do."""
+        self._segment_hooks.append(hook)
+        for compiled in self._compiled.values():
+            compiled.executor.segment_hooks = self._segment_hooks
+
     # -- internals ---------------------------------------------------------------------------
     def _for_batch(self, batch: Sequence[Any], layout: BatchLayout | None = None) -> _Compiled:
         key = layout if layout is not None else BatchLayout.of(batch)[0]
@@ -273,7 +283,7 @@ class TrainStep:
         captured = time.perf_counter()
         graph = plan_graph(traced, self.config.plan)
         executor = Executor(graph, self.config.plan.backend)
-        executor.hooks = self._hooks
+        executor.hooks, executor.segment_hooks = self._hooks, self._segment_hooks
         compiled = self._compiled[key] = _Compiled(graph, executor)
         compiled.seconds = {"capture_s": captured - start, "plan_s": time.perf_counter() - captured}
         return compiled

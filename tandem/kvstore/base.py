@@ -12,6 +12,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -332,6 +333,19 @@ class KVStore(ABC):
             kv.pushpull("w", param.grad / kv.num_workers, out=param.data).wait()
             ```
         """
+
+    def batched(self) -> AbstractContextManager[None]:
+        """Requests made inside (from one thread) may be held and sent together when the block ends:
+        fewer, larger messages. Handles and results are as without it. Only a store whose requests
+        queue by priority (``dist_p3``) holds them; elsewhere this does nothing.
+
+        Example:
+            ```python
+            with kv.batched():                # one message per server, not one per key
+                handles = [kv.pushpull(k, g, out=p) for k, g, p in zip(keys, grads, params)]
+            ```
+        """
+        return nullcontext()
 
     @abstractmethod
     def set_optimizer(self, optimizer: Any) -> None:

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
 import torch
 
 from tandem import kvstore, trace
+from tandem.env import knob
 from tandem.executor import Segment, StepHooks
 from tandem.graph.train_graph import Phase
 from tandem.kvstore.kinds import SERVERLESS_KINDS
@@ -107,6 +109,7 @@ class DistributedUpdate(Update):
         self._attached: set[int] = set()
         self._held: list[tuple[str, torch.Tensor]] = []  # gradients kept until backward ends
         self._in_backward = False  # the hook has reached this step's backward segments
+        self._batch_segments = knob("TANDEM_PS_BATCH_SEGMENTS")
 
     @classmethod
     def join(cls, params: Mapping[str, torch.Tensor], apply: Apply, optimizer: Any, kind: str | kvstore.KVStoreConfig,
@@ -154,7 +157,7 @@ class DistributedUpdate(Update):
         self.store.pull(self._names, [params[n].data for n in self._names]).wait()
         self._received = {n: torch.empty_like(params[n]) for n in self._names}
         if self.mode != "baseline":
-            step.add_gradient_hook(self._send)
+            step.add_segment_hook(self._send)
         tuner = getattr(self.store, "tuner", None)
         if self.mode == "p3" and tuner is not None:
             tuner.tune_send_timing()  # only a trainer can hold gradients until backward ends
@@ -166,12 +169,15 @@ class DistributedUpdate(Update):
         between steps; other stores always send during backward."""
         return str(getattr(self.store, "send_timing", "during"))
 
-    def _send(self, name: str, grad: torch.Tensor) -> None:
-        """Gradient hook (engine thread): send this gradient now (or hold it); the reply lands in _received[name]."""
+    def _send(self, gradients: list[tuple[str, torch.Tensor]]) -> None:
+        """Segment hook (engine thread): send the gradients this segment finished now, together (one
+        message per server where the store batches), or hold them; each reply lands in _received[name]."""
         if self.mode == "p3" and self._send_timing != "during":
-            self._held.append((name, grad))
+            self._held.extend(gradients)
             return
-        self._pushpull(name, grad)
+        with self.store.batched() if self._batch_segments else nullcontext():
+            for name, grad in gradients:
+                self._pushpull(name, grad)
 
     def _pushpull(self, name: str, grad: torch.Tensor) -> None:
         start = trace.now_us()

@@ -6,6 +6,7 @@ server process serves (``kvstore.serve``) until the job ends; a worker checks an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -50,6 +51,10 @@ def test_sliced_sums_reassemble_exactly_and_equal_dist_sync(
         assert p3.keys() == plain.keys()
         for name in p3:
             assert torch.equal(p3[name], plain[name]), name
+
+
+def test_batched_requests_leave_together_and_sum_exactly(tmp_path: Path) -> None:
+    _run("batched", "dist_p3", 2, 2, tmp_path, {"TANDEM_PS_WATER_MARK": "1000"})
 
 
 @pytest.mark.parametrize("kind", ["dist_p3", "dist_p3_async"])
@@ -133,6 +138,13 @@ def test_no_received_notices_where_the_water_mark_never_binds(tmp_path: Path) ->
     assert _notices(output) == [0, 0], output  # no request asked: one message per parked slice saved
 
 
+def test_small_requests_pass_the_water_mark_without_notices(tmp_path: Path) -> None:
+    # keys of 4 elements, slices of 64: each request is at most 1/16 of a slice, so none takes a
+    # slot: a water mark of 1 holds nothing back and no request asks for a RECEIVED notice
+    output = _run("opposite", "dist_p3", 2, 2, tmp_path, {"TANDEM_PS_WATER_MARK": "1", "TEST_NUMEL": "4"})
+    assert _notices(output) == [0, 0], output
+
+
 def test_launch_p3_turns_dist_sync_into_p3(tmp_path: Path) -> None:
     command = launch_command(str(Path(__file__).resolve()), 2, 1, "launched", "dist_sync", str(tmp_path))
     command.insert(command.index("--"), "--p3")
@@ -175,6 +187,38 @@ def _sums(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-
     slices = sum(len(kv.placement.plan(key, torch.Size(shape).numel())) for key, shape in SHAPES.items())
     assert client.landed == 3 * slices, (client.landed, slices)
     return saved
+
+
+def _batched(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """The same pushpulls alone and in one batched() block: equal sums, and the block's slices leave
+    in one message per server per group of requests (the cap never binds here: all leave at once)."""
+    from tandem.kvstore.ps.p3_sender import MAX_GROUP
+
+    keys = list(SHAPES)
+    kv.init(keys, [torch.zeros(shape) for shape in SHAPES.values()])
+    slices = sum(len(kv.placement.plan(key, torch.Size(shape).numel())) for key, shape in SHAPES.items())
+    sent, results = [], []
+    for batched in (False, True, False, True):
+        values = [torch.arange(float(torch.Size(s).numel())).reshape(s) * (rank + 1) for s in SHAPES.values()]
+        outs = [torch.empty(shape) for shape in SHAPES.values()]
+        before = kv.sender._client.transport.sent
+        with kv.batched() if batched else contextlib.nullcontext():
+            handles = [kv.pushpull(key, value, out=out, priority=-index)
+                       for index, (key, value, out) in enumerate(zip(keys, values, outs))]  # fmt: skip
+            if batched:
+                assert kv.sender._client.transport.sent == before, "a request left inside the block"
+        sent.append(kv.sender._client.transport.sent - before)
+        for handle in handles:
+            handle.wait(timeout=60)
+        results.append(outs)
+    total = kv.num_workers * (kv.num_workers + 1) / 2
+    for outs in results:
+        for out, shape in zip(outs, SHAPES.values()):
+            assert torch.equal(out, torch.arange(float(torch.Size(shape).numel())).reshape(shape) * total)
+    groups = -(-slices // MAX_GROUP)
+    assert sent[1] == sent[3] <= groups * kv.num_servers < sent[0] == sent[2], (sent, slices)
+    print(f"rank {rank} messages alone {sent[0]}, batched {sent[1]} ({slices} slices)")
+    return {}
 
 
 def _optimizer(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -432,16 +476,19 @@ def _auto_lamb(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-unt
 
 
 def _opposite(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    import os
+
+    numel = int(os.environ.get("TEST_NUMEL", "200"))
     keys = [f"k{index}" for index in range(12)]
-    kv.init(keys, [torch.zeros(200) for _ in keys])
+    kv.init(keys, [torch.zeros(numel) for _ in keys])
     order = keys if rank == 0 else keys[::-1]  # worker 1 sends the other way round
     for _ in range(3):
-        outs = [torch.empty(200) for _ in keys]
-        handles = [kv.pushpull(key, torch.ones(200), out=out, priority=(-i if rank == 0 else i))
+        outs = [torch.empty(numel) for _ in keys]
+        handles = [kv.pushpull(key, torch.ones(numel), out=out, priority=(-i if rank == 0 else i))
                    for i, (key, out) in enumerate(zip(order, outs))]  # fmt: skip
         for handle in handles:
             handle.wait(timeout=30)
-        assert all(torch.equal(out, torch.full((200,), 2.0)) for out in outs)
+        assert all(torch.equal(out, torch.full((numel,), 2.0)) for out in outs)
     print(f"rank {rank} notices {kv.sender.notices}")
     return {}
 
@@ -461,6 +508,7 @@ def main(mode: str, kind: str, out: str) -> None:
     kv = kvstore.create(kind)
     saved = {
         "sums": _sums,
+        "batched": _batched,
         "optimizer": _optimizer,
         "priority": _priority,
         "auto": _auto,

@@ -95,6 +95,23 @@ def test_step_report_gradient_ready_times_in_backward_order() -> None:
     assert ready[-1].startswith("layers.0") or ready[-1] == next(iter(step.graph.grads)), "the first layer's gradient comes last"
 
 
+def test_a_segment_hook_gets_each_segments_gradients_at_once() -> None:
+    module, loss_fn, batch = zoo_case("gpt", torch.float32)
+    step = tandem.compile(module, loss_fn, *batch, bulk_bwd=20)
+    step(*batch)
+    alone: list[str] = []
+    together: list[list[tuple[str, torch.Tensor]]] = []
+    step.add_gradient_hook(lambda name, grad: alone.append(name))
+    step.add_segment_hook(together.append)
+    result = step(*batch)
+    expected = [segment.gradients for segment in step.executor.segments if segment.gradients]
+    assert [[name for name, _ in group] for group in together] == expected  # one call per segment, in order
+    assert [name for group in together for name, _ in group] == alone  # the gradient hooks' order
+    assert any(len(group) > 1 for group in together), "bulking put several gradients in one segment"
+    for name, grad in (pair for group in together for pair in group):
+        assert grad is result.grads[name]  # the step's own gradient, not a copy
+
+
 def test_naive_and_threaded_engines_agree() -> None:
     module, loss_fn, batch = zoo_case("gpt", torch.float32)
     results = []

@@ -18,6 +18,7 @@ import itertools
 import json
 import zlib
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -72,6 +73,10 @@ class P3KVStore(DistKVStore):
         # Read by the trainer each step: when its gradients leave (p3_tuner.SEND_TIMINGS; the tuner's
         # choice: holding them saves CPU where overlap costs more than it saves wire time).
         self.send_timing = "during"
+
+    def batched(self) -> AbstractContextManager[None]:
+        """The slices of the requests made inside leave together when it ends (``PrioritySender.batched``)."""
+        return self.sender.batched()
 
     def _apply(self, config: Config) -> None:
         if config.slice_size != self._live:

@@ -21,11 +21,12 @@ notices are sent at all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from tandem.kvstore.ps.transport import payload_size
 QUEUED_COMMANDS = frozenset({Command.INIT, Command.PUSH, Command.PULL, Command.PUSHPULL})
 MAX_GROUP = 64  # requests the sender thread takes from the queue at once, to coalesce
 POLL_SECONDS = 0.2  # how often a waiting sender looks for a failed connection
+SMALL_FRACTION = 16  # requests of at most slice_size / 16 elements pass the water mark (see _counts)
 
 
 @dataclass(eq=False)
@@ -58,11 +60,7 @@ class _Request:
     on_reply: Callable[[Message], None]
     on_error: Callable[[BaseException], None]
     queued_us: float
-
-    @property
-    def capped(self) -> bool:
-        """Does it put tensor bytes on the wire (and so count against the water mark)?"""
-        return self.header.command is not Command.PULL
+    capped: bool  # counts against the water mark (PrioritySender._counts)
 
     @property
     def lane(self) -> Hashable:
@@ -90,6 +88,7 @@ class PrioritySender:
         self.notices = 0  # RECEIVED notices received so far (each one message a fast link did without)
         self._awaiting: dict[Hashable, deque[_Slot]] = {}  # lane -> its unreleased slots, oldest first
         self._handing_over = 0  # popped, not yet registered by the client
+        self._batching = 0  # open batched() blocks: requests wait in the queue until the last one ends
         self._stopping = False
         self._send_row, self._receive_row = f"p3 send (worker {rank})", f"p3 receive (worker {rank})"
         self._thread = threading.Thread(target=self._run, name=f"tandem-p3-sender-{rank}", daemon=True)
@@ -120,11 +119,11 @@ class PrioritySender:
             return
         if self._client.failure is not None:
             raise self._client.failure
-        request = _Request(server, header, payloads, on_reply, on_error, trace.now_us())
+        request = _Request(server, header, payloads, on_reply, on_error, trace.now_us(), self._counts(header))
         with self._cond:
             if self._stopping:
                 raise KVStoreError("this kvstore is closing; no new requests")
-            if not self._queue and not self._handing_over and self._in_flight < self._water_mark:
+            if not self._queue and not self._handing_over and not self._batching and self._in_flight < self._water_mark:
                 # nothing to overtake: send from this thread (saves a thread hand-off per slice);
                 # holding the lock keeps every other send, and so every lane, behind this one
                 self._send(request)
@@ -142,13 +141,13 @@ class PrioritySender:
                 self.submit(*submission)
             return
         now = trace.now_us()
-        queued = [_Request(server, header, payloads, on_reply, on_error, now)
+        queued = [_Request(server, header, payloads, on_reply, on_error, now, self._counts(header))
                   for server, header, payloads, on_reply, on_error in requests]  # fmt: skip
         with self._cond:
             if self._stopping:
                 raise KVStoreError("this kvstore is closing; no new requests")
             going = 0
-            if not self._queue and not self._handing_over:  # nothing to overtake: as many as the cap allows
+            if not self._queue and not self._handing_over and not self._batching:  # as many as the cap allows
                 capped = self._in_flight
                 while going < len(queued) and (not queued[going].capped or capped < self._water_mark):
                     capped += queued[going].capped
@@ -159,6 +158,30 @@ class PrioritySender:
                 self._send_group(queued[:going])
             if going < len(queued):
                 self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Tensor requests submitted inside wait in the queue; when the (outermost) block ends, what
+        the cap lets go leaves at once from this thread, by priority, coalesced per server (one
+        message where they fit), and the sender thread takes the rest. Any thread may submit meanwhile."""
+        with self._cond:
+            self._batching += 1
+        try:
+            yield
+        finally:
+            with self._cond:  # under the lock, as submit's inline send: every lane stays behind it
+                self._batching -= 1
+                while not self._handing_over and self._sendable():  # a group in hand-off goes first (lane order)
+                    self._send_group(self._pop_group())
+                if self._queue:
+                    self._cond.notify_all()
+
+    def _counts(self, header: Header) -> bool:
+        """Does a request count against the water mark? Only one carrying tensor bytes (not a pull),
+        and more than 1/SMALL_FRACTION of a full slice's elements: a norm's weight or a bias holds
+        the wire for microseconds, and a slot of its own (with its RECEIVED notice) would cost
+        more than it saves."""
+        return header.command is not Command.PULL and header.slice_numel * SMALL_FRACTION > self.slice_size
 
     def call(self, server: int, header: Header, payloads: Sequence[Any], timeout: float) -> Message:
         return self._client.call(server, header, payloads, timeout)
@@ -177,7 +200,7 @@ class PrioritySender:
         return local + self._client.outstanding()
 
     def _sendable(self) -> bool:
-        if not self._queue:
+        if not self._queue or self._batching:
             return False
         # a full cap with no notice coming could wait on other workers forever: let one more go
         return self._in_flight < self._water_mark or not self._queue.peek().capped or not self._receipts
