@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
+from tandem.env import knob
+from tandem.kvstore.ps.p3_sender import SMALL_FRACTION
 from tandem.kvstore.ps.placement import RangePlacement, RoundRobinPlacement, Slice
 
 Mode = Literal["baseline", "overlap", "p3", "allreduce"]
@@ -315,6 +317,7 @@ class _Request:
     priority: float
     kind: str  # "pushpull", "push" or "pull"
     iteration: int
+    capped: bool  # counts against the water mark (p3: a push of more than slice_size / SMALL_FRACTION elements)
 
 
 class _PSSim:
@@ -344,6 +347,7 @@ class _PSSim:
         self.order = 0
         self.in_flight = [0] * n_workers
         self.water_mark = strategy.water_mark if strategy.mode == "p3" else INF
+        self.coalesce_bytes = knob("TANDEM_PS_COALESCE_BYTES")  # 0: every request its own message
         self.rounds: dict[tuple[int, int, int], list[_Request]] = {}  # (param, slice, iteration) -> arrived
         self.done_rounds: set[tuple[int, int, int]] = set()
         self.waiting_pulls: dict[tuple[int, int, int], list[_Request]] = {}
@@ -388,40 +392,70 @@ class _PSSim:
         last = index == n_forward + len(w.backward_s) - 1
         if index >= n_forward:
             if self.s.mode != "baseline":
+                # p3: the segment's gradients are queued together, then leave (the trainer's batched());
+                # overlap: one pushpull call per gradient
+                together = self.s.mode == "p3"
                 for p in w.backward_grads[index - n_forward]:
-                    self.send_gradient(worker, p, iteration, "pushpull")
+                    self.send_gradient(worker, p, iteration, "pushpull", pump=not together)
+                if together:
+                    self.pump(worker)
             elif last:
-                for p in range(len(w.names)):  # push everything, then pull everything, forward order
-                    self.send_gradient(worker, p, iteration, "push")
-                for p in range(len(w.names)):
-                    self.send_gradient(worker, p, iteration, "pull")
+                for kind in ("push", "pull"):  # push everything in one call, then pull everything in one
+                    for p in range(len(w.names)):
+                        self.send_gradient(worker, p, iteration, kind, pump=False)
+                    self.pump(worker)
         if last and worker == 0:
             self.backward_end.append(self.events.now)
         self.position[worker] = (iteration + 1, 0) if last else (iteration, index + 1)
         self.advance(worker)
 
     # requests
-    def send_gradient(self, worker: int, param: int, iteration: int, kind: str) -> None:
+    def send_gradient(self, worker: int, param: int, iteration: int, kind: str, pump: bool = True) -> None:
         ratio = COMPRESSION_RATIO[self.s.compression]
-        priority = -param if self.s.mode == "p3" else 0
+        p3 = self.s.mode == "p3"
+        priority = -param if p3 else 0
         if kind != "push":
             self.missing[worker][param] = len(self.slices[param])
         for i, part in enumerate(self.slices[param]):
             nbytes = 0.0 if kind == "pull" else part.numel * 4 / ratio
             reply = 0.0 if kind == "push" else part.numel * 4 / (ratio if self.s.update_on == "workers" else 1)
-            request = _Request(worker, param, i, part.server, nbytes, reply, priority, kind, iteration)
+            capped = kind != "pull" and (not p3 or part.numel * SMALL_FRACTION > self.s.slice_size)
+            request = _Request(worker, param, i, part.server, nbytes, reply, priority, kind, iteration, capped)
             heapq.heappush(self.queued[worker], (-priority, self.order, request))
             self.order += 1
-        self.pump(worker)
+        if pump:
+            self.pump(worker)
 
     def pump(self, worker: int) -> None:
-        """The sender thread: the highest-priority request leaves when fewer than water_mark are in flight."""
-        queue = self.queued[worker]
-        while queue and self.in_flight[worker] < self.water_mark:
+        """The sender: requests leave by priority while the next one fits under the water mark (small
+        ones always fit); those leaving at once go to each server as one message of at most
+        TANDEM_PS_COALESCE_BYTES (one message_s per message, byte_s per byte)."""
+        queue, leaving = self.queued[worker], []
+        while queue and (not queue[0][2].capped or self.in_flight[worker] < self.water_mark):
             _, _, request = heapq.heappop(queue)
-            self.in_flight[worker] += 1
-            cost = self.m.message_s + request.nbytes * self.m.byte_s
-            self.sender[worker].put(cost, lambda r=request: self.transmit(r))  # type: ignore[misc]
+            self.in_flight[worker] += request.capped
+            leaving.append(request)
+        messages: dict[int, list[_Request]] = {}  # server -> the message being filled
+        for request in leaving:
+            message = messages.get(request.server)
+            if message is not None and (self.coalesce_bytes <= 0 or
+                                        sum(r.nbytes for r in message) + request.nbytes > self.coalesce_bytes):
+                self._send_message(worker, message)
+                message = None
+            if message is None:
+                message = messages[request.server] = []
+            message.append(request)
+        for message in messages.values():
+            self._send_message(worker, message)
+
+    def _send_message(self, worker: int, requests: list[_Request]) -> None:
+        cost = self.m.message_s + sum(r.nbytes for r in requests) * self.m.byte_s
+
+        def sent() -> None:
+            for request in requests:
+                self.transmit(request)
+
+        self.sender[worker].put(cost, sent)
 
     def transmit(self, request: _Request) -> None:
         worker, server = request.worker, request.server
@@ -441,8 +475,9 @@ class _PSSim:
             self.events.now + self.c.latency_s, head_arrives))  # fmt: skip
 
     def arrived(self, request: _Request) -> None:
-        self.in_flight[request.worker] -= 1
-        self.pump(request.worker)
+        if request.capped:
+            self.in_flight[request.worker] -= 1
+            self.pump(request.worker)
         m = self.m
         cost = m.server_message_s + request.nbytes * m.server_byte_s + request.nbytes / m.aggregate_Bps
         self.server_cpu[request.server].put(cost, lambda: self.served(request), priority=request.priority)

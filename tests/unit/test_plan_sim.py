@@ -58,7 +58,7 @@ def test_baseline_waits_for_everything_overlap_starts_during_backward() -> None:
 def test_a_higher_priority_slice_waits_only_for_the_slice_on_the_wire() -> None:
     """b (2 slices of 1 s, priority -1) is finished first, a (1 slice, priority 0) a moment later: with water
     mark 1 a overtakes b's second slice; overlap (FIFO, whole tensors) sends it last."""
-    workload = Workload(("a", "b"), (400, 8_000_000), (1.0,), ((0, 1),), (1.0, 0.01), ((1,), (0,)))
+    workload = Workload(("a", "b"), (400_000, 8_000_000), (1.0,), ((0, 1),), (1.0, 0.01), ((1,), (0,)))
     cluster = Cluster(1, 1, RATE, latency_s=0.0, **FREE)
     p3 = simulate(workload, cluster, Strategy("p3", slice_size=1_000_000, water_mark=1))
     assert [(param, part) for _, param, part in p3.sends[:3]] == [(1, 0), (0, 0), (1, 1)]
@@ -74,6 +74,31 @@ def test_water_mark_one_serialises_slices() -> None:
     serial = simulate(one_gradient(), cluster, Strategy("p3", slice_size=250_000, water_mark=1))
     assert free.iteration_s == pytest.approx(1.5 + 1.25 + 2 * latency)  # pushes pipelined, the last reply 0.25 s after
     assert serial.iteration_s == pytest.approx(1.5 + 1.25 + 5 * latency)  # 3 more latencies between slices
+
+
+def test_a_small_request_passes_the_water_mark() -> None:
+    """A bias of 10 elements (priority 0) and a weight of 4 slices of 0.25 s, both finished by the one
+    backward segment, water mark 1: the bias takes no slot, so the weight's first slice leaves with it
+    and the weight's slices go as in test_water_mark_one_serialises_slices (one latency between each)."""
+    latency = 0.1
+    workload = Workload(("b", "w"), (40, 4_000_000), (1.0,), ((0, 1),), (0.5,), ((0, 1),))
+    result = simulate(workload, Cluster(1, 1, RATE, latency_s=latency, **FREE), Strategy("p3", slice_size=250_000, water_mark=1))
+    assert [(param, part) for _, param, part in result.sends[:2]] == [(0, 0), (1, 0)]
+    assert result.sends[0][0] == result.sends[1][0]  # together: the bias did not wait for a slot
+    assert result.iteration_s == pytest.approx(1.5 + 1.25 + 5 * latency, abs=1e-3)  # the bias's bytes: 1e-5 s
+
+
+def test_a_segments_requests_to_one_server_share_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """p3 queues a segment's gradients together: a and b leave in one message (one message_s of the
+    sender); with TANDEM_PS_COALESCE_BYTES=0 b leaves one message_s after a."""
+    workload = Workload(("a", "b"), (400, 400), (1.0,), ((0, 1),), (0.5,), ((0, 1),))
+    machine = dataclasses.replace(NO_COST, message_s=0.001)
+    cluster = Cluster(1, 1, 1e30, latency_s=0.0, machine=machine)
+    together = simulate(workload, cluster, Strategy("p3", slice_size=10**7)).sends
+    assert together[0][0] == together[1][0]
+    monkeypatch.setenv("TANDEM_PS_COALESCE_BYTES", "0")
+    alone = simulate(workload, cluster, Strategy("p3", slice_size=10**7)).sends
+    assert alone[1][0] - alone[0][0] == pytest.approx(0.001)
 
 
 def test_ring_allreduce_formula() -> None:
