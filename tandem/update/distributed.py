@@ -240,8 +240,9 @@ class DistributedUpdate(Update):
             names = [n for n in self._names if n in held]  # forward order: by priority, on one call's FIFO
             self._exchange(names, [held[n] for n in names], pushpull=True)
             return
-        for name, grad in held.items():
-            self._pushpull(name, grad)
+        with self.store.batched() if self._batch_segments else nullcontext():  # all queued, then by priority
+            for name, grad in held.items():
+                self._pushpull(name, grad)
 
     def _exchange(self, names: list[str], grads: list[torch.Tensor], pushpull: bool) -> None:
         """Send ``grads`` in one call and wait (driving: this thread receives the replies) until the
