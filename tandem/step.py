@@ -254,7 +254,15 @@ class TrainStep:
         """hook(gradients) runs once when a segment that finishes gradients ends, with all of them as
         (name, grad) pairs in order (after the gradient hooks): where sending them together pays, as
         a kvstore sending one message per server rather than one per parameter. Runs on the engine's
-        thread, as gradient hooks do."""
+        thread, as gradient hooks do.
+
+        Example:
+            ```python
+            sizes = []
+            step.add_segment_hook(lambda gradients: sizes.append(len(gradients)))
+            step(x, y)                           # one entry per backward segment that finished gradients
+            ```
+        """
         self._segment_hooks.append(hook)
         for compiled in self._compiled.values():
             compiled.executor.segment_hooks = self._segment_hooks
