@@ -5,9 +5,11 @@ What it simulates, per mode (``Strategy.mode``), for ``Cluster.workers`` identic
   - ``baseline``: after backward, each gradient is pushed, then each parameter pulled (FIFO); the
     next forward starts once every parameter is back;
   - ``overlap``: each gradient is pushpulled whole (FIFO) when the backward segment finishing it ends;
-  - ``p3``: the same cut into slices (the real ``RoundRobinPlacement``), queued by priority
-    (``-parameter index``) in the worker's sender with at most ``water_mark`` requests in flight (a
-    request is in flight until it has arrived at its server), served by priority on the servers;
+  - ``p3``: the same cut into slices (the real ``RoundRobinPlacement``), a backward segment's slices
+    queued together by priority (``-parameter index``) in the worker's sender with at most
+    ``water_mark`` requests in flight (a request is in flight until it has arrived at its server;
+    one of at most ``slice_size / SMALL_FRACTION`` elements never counts), served by priority on
+    the servers;
   - in ``overlap`` and ``p3`` the next forward starts each segment once the parameters it reads are back;
   - ``allreduce``: no servers; gradients bucketed in backward order, each bucket ring-all-reduced
     when its last gradient is ready, one bucket at a time (``allreduce_seconds``).
@@ -18,7 +20,8 @@ already carries (incast). Priorities act above the links: in the worker's sender
 server's CPU queue, so a high-priority slice waits for at most ``water_mark`` admitted slices (with
 ``water_mark=1``, only for the slice on the wire).
 CPU (``Machine``): a message costs ``message_s + bytes * byte_s`` in the sending worker's sender
-thread and in the receiving worker's IO thread; a server spends ``server_message_s + bytes *
+thread and in the receiving worker's IO thread (requests leaving the sender at once share one
+message per server, up to ``TANDEM_PS_COALESCE_BYTES``; replies go one per request); a server spends ``server_message_s + bytes *
 server_byte_s + bytes / aggregate_Bps`` per request received (receive and sum), ``bytes /
 aggregate_Bps`` once per round (the update) and ``server_message_s + bytes * server_byte_s`` per
 reply. Every thread's work (compute segments included) runs on its host's ``cores``, shared by
