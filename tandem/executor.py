@@ -30,7 +30,7 @@ from tandem.graph.cost import tensor_values
 from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
 
 GradientHook = Callable[[str, torch.Tensor], None]
-SegmentHook = Callable[[list[tuple[str, torch.Tensor]]], None]  # every gradient one segment finished, in order
+SegmentHook = Callable[[Sequence[tuple[str, torch.Tensor]]], None]  # every gradient one segment finished, in order
 
 
 @dataclass
@@ -280,7 +280,7 @@ class Executor:
     def _announce(self, segment: Segment, slots: list[Any]) -> None:
         if not segment.gradients or not (self.hooks or self.segment_hooks):
             return
-        gradients = [(name, slots[self._slot[self.train_graph.grads[name]]]) for name in segment.gradients]
+        gradients = tuple((name, slots[self._slot[self.train_graph.grads[name]]]) for name in segment.gradients)
         for name, gradient in gradients:
             for hook in self.hooks:
                 hook(name, gradient)

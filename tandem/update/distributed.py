@@ -23,7 +23,7 @@ sees a new value.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from functools import partial
 from typing import Any
@@ -169,7 +169,7 @@ class DistributedUpdate(Update):
         between steps; other stores always send during backward."""
         return str(getattr(self.store, "send_timing", "during"))
 
-    def _send(self, gradients: list[tuple[str, torch.Tensor]]) -> None:
+    def _send(self, gradients: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Segment hook (engine thread): send the gradients this segment finished now, together (one
         message per server where the store batches), or hold them; each reply lands in _received[name]."""
         if self.mode == "p3" and self._send_timing != "during":

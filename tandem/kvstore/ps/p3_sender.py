@@ -11,6 +11,10 @@ waiting for each other's pushes would deadlock. So a request may ask (``Header.r
 small RECEIVED notice should the server have to park it, and its cap slot is released by that
 notice or by the reply, whichever comes first. Pulls carry no tensor bytes and never count.
 
+Requests of at most ``slice_size / SMALL_FRACTION`` elements (a norm's weight, a bias) do not count
+either: they hold the wire for little, and a slot with its notice would cost more than it saves.
+They never block the queue's head, so they add no wait to the argument above.
+
 Notices cost a message each, so only requests sent while the cap binds ask for one: the request
 that fills the cap, and any sent while others queue. Whenever the cap is full and no notice is
 pending, one more request may go (asking for one): some slot is then always freed by arrival
@@ -129,7 +133,8 @@ class PrioritySender:
                 self._send(request)
                 return
             self._queue.put(request, header.priority, request.lane)
-            self._cond.notify_all()
+            if not self._batching:  # a block's end sends, then wakes the sender thread
+                self._cond.notify_all()
 
     def submit_many(self, requests: Sequence[Submission]) -> None:
         """``submit`` each (one call's slices: one priority). What the cap lets go at once leaves now,
@@ -156,14 +161,16 @@ class PrioritySender:
                 self._queue.put(request, request.header.priority, request.lane)
             if going:  # under the lock, as submit's inline send: every lane stays behind it
                 self._send_group(queued[:going])
-            if going < len(queued):
+            if going < len(queued) and not self._batching:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
     def batched(self) -> Iterator[None]:
         """Tensor requests submitted inside wait in the queue; when the (outermost) block ends, what
         the cap lets go leaves at once from this thread, by priority, coalesced per server (one
-        message where they fit), and the sender thread takes the rest. Any thread may submit meanwhile."""
+        message where they fit), and the sender thread takes the rest. Any thread may submit
+        meanwhile. Nothing queued leaves while a block is open: waiting inside it on a request
+        still queued (one made in it, or one the cap held back) waits for the block to end."""
         with self._cond:
             self._batching += 1
         try:
@@ -171,8 +178,13 @@ class PrioritySender:
         finally:
             with self._cond:  # under the lock, as submit's inline send: every lane stays behind it
                 self._batching -= 1
-                while not self._handing_over and self._sendable():  # a group in hand-off goes first (lane order)
-                    self._send_group(self._pop_group())
+                if not self._batching and not self._handing_over:  # a group in hand-off goes first (lane order)
+                    leaving, capped = [], self._in_flight
+                    while self._queue and (not self._queue.peek().capped or capped < self._water_mark):
+                        capped += self._queue.peek().capped
+                        leaving.append(self._queue.pop())
+                    if leaving:  # one group: each server's part in as few messages as fit (coalesced)
+                        self._send_group(leaving)
                 if self._queue:
                     self._cond.notify_all()
 
