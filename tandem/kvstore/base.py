@@ -338,8 +338,8 @@ class KVStore(ABC):
         """Requests made while the block is open may be held and sent together when it ends: fewer,
         larger messages. Handles and results are as without it; at the block's end the requests
         leave as they would have (under the same limits): do not wait inside the block on a request
-        made in it, which has not left yet. Only a store whose requests queue by priority (``dist_p3``) holds them; elsewhere this
-        does nothing.
+        made in it, which has not left yet. Only a store whose requests queue by priority
+        (``dist_p3``) holds them; elsewhere this does nothing.
 
         Example:
             ```python

@@ -8,7 +8,7 @@ What it simulates, per mode (``Strategy.mode``), for ``Cluster.workers`` identic
   - ``p3``: the same cut into slices (the real ``RoundRobinPlacement``), a backward segment's slices
     queued together by priority (``-parameter index``) in the worker's sender with at most
     ``water_mark`` requests in flight (a request is in flight until it has arrived at its server;
-    one of at most ``slice_size / SMALL_FRACTION`` elements never counts), served by priority on
+    a ``small`` one, of at most ``slice_size / 16`` elements, never counts), served by priority on
     the servers;
   - in ``overlap`` and ``p3`` the next forward starts each segment once the parameters it reads are back;
   - ``allreduce``: no servers; gradients bucketed in backward order, each bucket ring-all-reduced
@@ -21,7 +21,8 @@ server's CPU queue, so a high-priority slice waits for at most ``water_mark`` ad
 ``water_mark=1``, only for the slice on the wire).
 CPU (``Machine``): a message costs ``message_s + bytes * byte_s`` in the sending worker's sender
 thread and in the receiving worker's IO thread (requests leaving the sender at once share one
-message per server, up to ``TANDEM_PS_COALESCE_BYTES``; replies go one per request); a server spends ``server_message_s + bytes *
+message per server, up to ``TANDEM_PS_COALESCE_BYTES``; replies go one per request); a server
+spends ``server_message_s + bytes *
 server_byte_s + bytes / aggregate_Bps`` per request received (receive and sum), ``bytes /
 aggregate_Bps`` once per round (the update) and ``server_message_s + bytes * server_byte_s`` per
 reply. Every thread's work (compute segments included) runs on its host's ``cores``, shared by
@@ -41,7 +42,8 @@ from functools import partial
 from typing import Literal
 
 from tandem.env import knob
-from tandem.kvstore.ps.p3_sender import SMALL_FRACTION
+from tandem.kvstore.ps.client import grouped
+from tandem.kvstore.ps.p3_sender import small
 from tandem.kvstore.ps.placement import RangePlacement, RoundRobinPlacement, Slice
 
 Mode = Literal["baseline", "overlap", "p3", "allreduce"]
@@ -320,7 +322,7 @@ class _Request:
     priority: float
     kind: str  # "pushpull", "push" or "pull"
     iteration: int
-    capped: bool  # counts against the water mark (p3: a push of more than slice_size / SMALL_FRACTION elements)
+    capped: bool  # counts against the water mark (p3: a push that is not ``small``)
 
 
 class _PSSim:
@@ -422,7 +424,7 @@ class _PSSim:
         for i, part in enumerate(self.slices[param]):
             nbytes = 0.0 if kind == "pull" else part.numel * 4 / ratio
             reply = 0.0 if kind == "push" else part.numel * 4 / (ratio if self.s.update_on == "workers" else 1)
-            capped = kind != "pull" and (not p3 or part.numel * SMALL_FRACTION > self.s.slice_size)
+            capped = kind != "pull" and not (p3 and small(part.numel, self.s.slice_size))
             request = _Request(worker, param, i, part.server, nbytes, reply, priority, kind, iteration, capped)
             heapq.heappush(self.queued[worker], (-priority, self.order, request))
             self.order += 1
@@ -431,24 +433,14 @@ class _PSSim:
 
     def pump(self, worker: int) -> None:
         """The sender: requests leave by priority while the next one fits under the water mark (small
-        ones always fit); those leaving at once go to each server as one message of at most
-        TANDEM_PS_COALESCE_BYTES (one message_s per message, byte_s per byte)."""
+        ones always fit); those leaving at once go to each server in as few messages as the client's
+        grouping makes (``grouped``: TANDEM_PS_COALESCE_BYTES each; one message_s per message)."""
         queue, leaving = self.queued[worker], []
         while queue and (not queue[0][2].capped or self.in_flight[worker] < self.water_mark):
             _, _, request = heapq.heappop(queue)
             self.in_flight[worker] += request.capped
             leaving.append(request)
-        messages: dict[int, list[_Request]] = {}  # server -> the message being filled
-        for request in leaving:
-            message = messages.get(request.server)
-            if message is not None and (self.coalesce_bytes <= 0 or
-                                        sum(r.nbytes for r in message) + request.nbytes > self.coalesce_bytes):
-                self._send_message(worker, message)
-                message = None
-            if message is None:
-                message = messages[request.server] = []
-            message.append(request)
-        for message in messages.values():
+        for message in grouped(leaving, self.coalesce_bytes, lambda r: r.server, lambda r: r.nbytes):
             self._send_message(worker, message)
 
     def _send_message(self, worker: int, requests: list[_Request]) -> None:

@@ -175,6 +175,10 @@ class DistributedUpdate(Update):
         if self.mode == "p3" and self._send_timing != "during":
             self._held.extend(gradients)
             return
+        self._pushpull_together(gradients)
+
+    def _pushpull_together(self, gradients: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """``_pushpull`` each, in one ``batched()`` block of the store (TANDEM_PS_BATCH_SEGMENTS)."""
         with self.store.batched() if self._batch_segments else nullcontext():
             for name, grad in gradients:
                 self._pushpull(name, grad)
@@ -240,9 +244,7 @@ class DistributedUpdate(Update):
             names = [n for n in self._names if n in held]  # forward order: by priority, on one call's FIFO
             self._exchange(names, [held[n] for n in names], pushpull=True)
             return
-        with self.store.batched() if self._batch_segments else nullcontext():  # all queued, then by priority
-            for name, grad in held.items():
-                self._pushpull(name, grad)
+        self._pushpull_together(list(held.items()))  # all queued, then by priority
 
     def _exchange(self, names: list[str], grads: list[torch.Tensor], pushpull: bool) -> None:
         """Send ``grads`` in one call and wait (driving: this thread receives the replies) until the

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -55,6 +55,7 @@ from tandem.kvstore.ps.transport import Incoming, WorkerTransport, payload_size
 log = logging.getLogger("tandem.kvstore.worker")
 # a request to send: (server, header, payloads, on_reply, on_error), as ``Client.submit`` takes them
 Submission = tuple[int, Header, Sequence[Any], Callable[[Message], None], Callable[[BaseException], None]]
+T = TypeVar("T")
 EXIT_GRACE_SECONDS = 3.0  # time the main thread gets to raise the failure itself before a hard exit
 UNDRIVEN_SECONDS = 0.05  # the sleeping IO thread takes over replies nobody drove for this long (a backstop)
 
@@ -495,22 +496,29 @@ def message_text(message: Message, default: str = "") -> str:
 
 
 def coalesced(requests: Sequence[Submission], limit: int) -> list[list[Submission]]:
-    """``requests`` grouped by server, each server's in their order, a group holding at most ``limit``
-    payload bytes and ``MAX_BATCH_ENTRIES`` requests (a bigger request goes alone; ``limit`` 0: all alone).
+    """``requests`` grouped by server into messages (``grouped``), by the bytes of their payloads."""
+    return grouped(requests, limit, lambda request: request[0],
+                   lambda request: payload_size(request[2]) if request[2] else 0)
+
+
+def grouped(items: Sequence[T], limit: int, server_of: Callable[[T], int], size_of: Callable[[T], float]) -> list[list[T]]:
+    """``items`` grouped by server, each server's in their order, a group holding at most ``limit``
+    bytes and ``MAX_BATCH_ENTRIES`` items (a bigger item goes alone; ``limit`` 0: all alone). The
+    planner's simulator groups its requests with it too.
 
     Groups come in the order of their first request: no request leaves later than it would alone
     by more than the sending of the groups before it, which are what it was queued behind anyway.
     """
-    if limit <= 0 or len(requests) == 1:
-        return [[request] for request in requests]
-    groups: list[list[Submission]] = []
-    open_groups: dict[int, tuple[list[Submission], list[int]]] = {}  # server -> (its open group, [bytes])
-    for request in requests:
-        nbytes = payload_size(request[2]) if request[2] else 0
-        found = open_groups.get(request[0])
+    if limit <= 0 or len(items) == 1:
+        return [[item] for item in items]
+    groups: list[list[T]] = []
+    open_groups: dict[int, tuple[list[T], list[float]]] = {}  # server -> (its open group, [bytes])
+    for item in items:
+        nbytes, server = size_of(item), server_of(item)
+        found = open_groups.get(server)
         if found is None or found[1][0] + nbytes > limit or len(found[0]) == MAX_BATCH_ENTRIES:
-            found = open_groups[request[0]] = ([], [0])
+            found = open_groups[server] = ([], [0])
             groups.append(found[0])
-        found[0].append(request)
+        found[0].append(item)
         found[1][0] += nbytes
     return groups

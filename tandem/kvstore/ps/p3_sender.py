@@ -44,7 +44,14 @@ from tandem.kvstore.ps.transport import payload_size
 QUEUED_COMMANDS = frozenset({Command.INIT, Command.PUSH, Command.PULL, Command.PUSHPULL})
 MAX_GROUP = 64  # requests the sender thread takes from the queue at once, to coalesce
 POLL_SECONDS = 0.2  # how often a waiting sender looks for a failed connection
-SMALL_FRACTION = 16  # requests of at most slice_size / 16 elements pass the water mark (see _counts)
+SMALL_FRACTION = 16  # requests of at most slice_size / 16 elements pass the water mark (see small)
+
+
+def small(numel: int, slice_size: int) -> bool:
+    """Is a request of ``numel`` elements too small to count against the water mark? A norm's
+    weight or a bias holds the wire for microseconds, and a slot of its own (with its RECEIVED
+    notice) would cost more than it saves."""
+    return numel * SMALL_FRACTION <= slice_size
 
 
 @dataclass(eq=False)
@@ -154,7 +161,7 @@ class PrioritySender:
             going = 0
             if not self._queue and not self._handing_over and not self._batching:  # as many as the cap allows
                 capped = self._in_flight
-                while going < len(queued) and (not queued[going].capped or capped < self._water_mark):
+                while going < len(queued) and self._fits(queued[going], capped):
                     capped += queued[going].capped
                     going += 1
             for request in queued[going:]:
@@ -180,7 +187,7 @@ class PrioritySender:
                 self._batching -= 1
                 if not self._batching and not self._handing_over:  # a group in hand-off goes first (lane order)
                     leaving, capped = [], self._in_flight
-                    while self._queue and (not self._queue.peek().capped or capped < self._water_mark):
+                    while self._queue and self._fits(self._queue.peek(), capped):
                         capped += self._queue.peek().capped
                         leaving.append(self._queue.pop())
                     if leaving:  # one group: each server's part in as few messages as fit (coalesced)
@@ -189,11 +196,13 @@ class PrioritySender:
                     self._cond.notify_all()
 
     def _counts(self, header: Header) -> bool:
-        """Does a request count against the water mark? Only one carrying tensor bytes (not a pull),
-        and more than 1/SMALL_FRACTION of a full slice's elements: a norm's weight or a bias holds
-        the wire for microseconds, and a slot of its own (with its RECEIVED notice) would cost
-        more than it saves."""
-        return header.command is not Command.PULL and header.slice_numel * SMALL_FRACTION > self.slice_size
+        """Does a request count against the water mark? Only one carrying tensor bytes (not a pull)
+        that is not ``small``."""
+        return header.command is not Command.PULL and not small(header.slice_numel, self.slice_size)
+
+    def _fits(self, request: _Request, capped: int) -> bool:
+        """May ``request`` leave with ``capped`` capped requests already in flight?"""
+        return not request.capped or capped < self._water_mark
 
     def call(self, server: int, header: Header, payloads: Sequence[Any], timeout: float) -> Message:
         return self._client.call(server, header, payloads, timeout)
@@ -215,7 +224,7 @@ class PrioritySender:
         if not self._queue or self._batching:
             return False
         # a full cap with no notice coming could wait on other workers forever: let one more go
-        return self._in_flight < self._water_mark or not self._queue.peek().capped or not self._receipts
+        return self._fits(self._queue.peek(), self._in_flight) or not self._receipts
 
     def _run(self) -> None:
         while True:
@@ -253,7 +262,7 @@ class PrioritySender:
         while self._queue and len(group) < MAX_GROUP:
             following = self._queue.peek()
             size = _nbytes(following)
-            if nbytes + size > limit or (following.capped and capped >= self._water_mark):
+            if nbytes + size > limit or not self._fits(following, capped):
                 break
             group.append(self._queue.pop())
             capped += following.capped
