@@ -3,10 +3,13 @@
 CPU costs are measured as CPU time (``time.process_time`` here, the server's threads' run time from
 ``/proc``), not wall time, so a busy machine slows the measurement but hardly changes its result.
 ``message_costs``: a real ``dist_sync`` server process on loopback and this process as its only
-worker, pushpulls of 4 elements and of ``large`` elements; a pushpull is one request and one reply,
-so the worker's CPU per pushpull is ``2 (message_s + bytes byte_s)`` and the server's ``2
-(server_message_s + bytes server_byte_s)`` plus the two passes over the bytes the simulator charges
-as summing (the push, the round's update). ``aggregate_bytes_per_s``: float32 bytes a server adds
+worker, pushpulls of 4 elements and of ``large`` elements, run as a ``tandem launch`` job runs them:
+every message authenticated (a per-job secret, launch's default) and the update on the server
+(SGD with momentum, what the validated jobs run: its replies are copies). A pushpull is one
+request and one reply, so the worker's CPU per pushpull is ``2 (message_s + bytes byte_s)`` and the
+server's ``2 (server_message_s + bytes server_byte_s)`` plus the two passes over the bytes the
+simulator charges as summing (the push, the round's update); the update's fixed cost per slot goes
+into ``server_message_s``. ``aggregate_bytes_per_s``: float32 bytes a server adds
 per second (``a.add_(b)`` on 64 MB arrays, beyond the caches as received gradients are, one thread).
 """
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
+import statistics
 import subprocess
 import sys
 import time
@@ -35,11 +40,16 @@ def _thread_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int = 60) -> dict[str, float]:
-    """message_s, byte_s, server_message_s, server_byte_s: CPU per message and per byte, worker and server."""
+def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int = 60,
+                  repeats: int = 5, authenticated: bool = True) -> dict[str, float]:  # fmt: skip
+    """message_s, byte_s, server_message_s, server_byte_s: CPU per message and per byte, worker and server.
+
+    ``authenticated``: with a secret, as ``tandem launch`` runs a job unless told ``--no-secret``
+    (whole-message tags cost CPU per byte on both ends)."""
     import torch
     import torch.distributed as dist
 
+    from tandem import optim
     from tandem.kvstore.config import DistOptions
     from tandem.kvstore.ps.topology import Topology
     from tandem.kvstore.ps.worker import DistKVStore
@@ -47,24 +57,33 @@ def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = {**os.environ, "TANDEM_NUM_WORKERS": "1", "TANDEM_NUM_SERVERS": "1", "TANDEM_MASTER_ADDR": "127.0.0.1",
            "TANDEM_MASTER_PORT": str(store.port), "TANDEM_ROLE": "server", "TANDEM_RANK": "0",
-           "TANDEM_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "TANDEM_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+           "TANDEM_PS_SECRET": secrets.token_hex(32) if authenticated else ""}  # fmt: skip
     server = subprocess.Popen([sys.executable, "-m", "tandem.kvstore.ps"], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        kv = DistKVStore(Topology("worker", 0, 1, 1, "127.0.0.1", store.port, 2), DistOptions.from_env("dist_sync"))
-        per_trip = {}
-        for numel, trips in ((4, small_trips), (large, large_trips)):
-            value, out = torch.ones(numel), torch.empty(numel)
-            kv.init(f"probe{numel}", value)
-            for _ in range(trips // 10):  # warm up
-                kv.pushpull(f"probe{numel}", value, out=out).wait()
-            worker, served = time.process_time(), _thread_seconds(server.pid)
-            for _ in range(trips):
-                kv.pushpull(f"probe{numel}", value, out=out).wait()
-            per_trip[numel] = ((time.process_time() - worker) / trips, (_thread_seconds(server.pid) - served) / trips)
+        options = dataclasses.replace(DistOptions.from_env("dist_sync"), secret=env["TANDEM_PS_SECRET"])
+        kv = DistKVStore(Topology("worker", 0, 1, 1, "127.0.0.1", store.port, 2), options)
+        sizes = ((4, small_trips), (large, large_trips))
+        for numel, _ in sizes:
+            kv.init(f"probe{numel}", torch.zeros(numel))
+        kv.set_optimizer(optim.SGD(lr=1e-6, momentum=0.9))  # the server updates and replies with a copy, as in a job
+        samples: dict[int, list[tuple[float, float]]] = {numel: [] for numel, _ in sizes}
+        for _ in range(repeats):  # interleaved, the median of each: one disturbed pass does not decide
+            for numel, trips in sizes:
+                value, out = torch.ones(numel), torch.empty(numel)
+                for _ in range(trips // 10):  # warm up
+                    kv.pushpull(f"probe{numel}", value, out=out).wait()
+                worker, served = time.process_time(), _thread_seconds(server.pid)
+                for _ in range(trips):
+                    kv.pushpull(f"probe{numel}", value, out=out).wait()
+                samples[numel].append(((time.process_time() - worker) / trips,
+                                       (_thread_seconds(server.pid) - served) / trips))  # fmt: skip
         kv.close()
+        per_trip = {numel: (statistics.median(w for w, _ in found), statistics.median(s for _, s in found))
+                    for numel, found in samples.items()}  # fmt: skip
     finally:
         torch.set_num_threads(threads)
         if not _ended(server):

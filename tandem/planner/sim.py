@@ -91,15 +91,16 @@ class Workload:
 class Machine:
     """The hosts' CPUs: costs per message and per byte (measured: ``measure.measure_machine``), cores, placement.
 
-    The defaults are costs measured on a 2-core x86_64 machine (CPU time, not wall time) and hosts
-    with a core to spare for every thread (``cores=inf``), one process per host.
+    The defaults are costs measured on a 2-core x86_64 machine (CPU time, not wall time; messages
+    authenticated, the update on the servers) and hosts with a core to spare for every thread
+    (``cores=inf``), one process per host.
     """
 
-    message_s: float = 33e-6  # a worker's CPU per message sent or received
-    byte_s: float = 0.09e-9  # a worker's CPU per byte sent or received (serialise, copy)
-    server_message_s: float = 26e-6  # a server's CPU per message received or sent
-    server_byte_s: float = 0.02e-9  # a server's CPU per byte received or sent (beyond summing)
-    aggregate_Bps: float = 18e9  # float32 bytes/s a server sums (one pass)
+    message_s: float = 51e-6  # a worker's CPU per message sent or received
+    byte_s: float = 0.19e-9  # a worker's CPU per byte sent or received (serialise, copy, authenticate)
+    server_message_s: float = 70e-6  # a server's CPU per message received or sent
+    server_byte_s: float = 0.18e-9  # a server's CPU per byte received or sent (beyond summing)
+    aggregate_Bps: float = 22e9  # float32 bytes/s a server sums (one pass)
     cores: float = INF  # cores per host
     shared_host: bool = False  # every worker and server on one host of ``cores`` (one machine); else one each
     background: float = 0.0  # threads of other work, always runnable, on every host (measure.background_threads)
