@@ -7,9 +7,10 @@ What it simulates, per mode (``Strategy.mode``), for ``Cluster.workers`` identic
   - ``overlap``: each gradient is pushpulled whole (FIFO) when the backward segment finishing it ends;
   - ``p3``: the same cut into slices (the real ``RoundRobinPlacement``), a backward segment's slices
     queued together by priority (``-parameter index``) in the worker's sender with at most
-    ``water_mark`` requests in flight (a request is in flight until it has arrived at its server;
-    a ``small`` one, of at most ``slice_size / 16`` elements, never counts), served by priority on
-    the servers;
+    ``water_mark`` requests in flight (a request is in flight until its worker receives its reply,
+    or the RECEIVED notice a server sends when it parks a request that asked for one, as
+    ``p3_sender`` rules it; a ``small`` one, of at most ``slice_size / 16`` elements, never counts),
+    served by priority on the servers;
   - in ``overlap`` and ``p3`` the next forward starts each segment once the parameters it reads are back;
   - ``allreduce``: no servers; gradients bucketed in backward order, each bucket ring-all-reduced
     when its last gradient is ready, one bucket at a time (``allreduce_seconds``).
@@ -18,14 +19,14 @@ The network: every host (worker or server) has a full-duplex NIC, an uplink and 
 receiver's downlink ``latency`` later (cut-through), where it queues behind what that downlink
 already carries (incast). Priorities act above the links: in the worker's sender queue and in the
 server's CPU queue, so a high-priority slice waits for at most ``water_mark`` admitted slices (with
-``water_mark=1``, only for the slice on the wire).
+``water_mark=1``, only for the one in flight).
 CPU (``Machine``): a message costs ``message_s + bytes * byte_s`` in the sending worker's sender
 thread and in the receiving worker's IO thread (requests leaving the sender at once share one
-message per server, up to ``TANDEM_PS_COALESCE_BYTES``; replies go one per request); a server
+message per server, up to ``TANDEM_PS_COALESCE_BYTES``; replies and notices go one per request); a server
 spends ``server_message_s + bytes *
 server_byte_s + bytes / aggregate_Bps`` per request received (receive and sum), ``bytes /
 aggregate_Bps`` once per round (the update) and ``server_message_s + bytes * server_byte_s`` per
-reply. Every thread's work (compute segments included) runs on its host's ``cores``, shared by
+reply or notice. Every thread's work (compute segments included) runs on its host's ``cores``, shared by
 processor sharing (``CPU``): n busy threads on c cores each progress at min(1, c / n), or
 min(1, c / (n + b)) beside ``Machine.background`` threads of other work. A host is one
 worker or one server (a cluster), or, with ``Machine.shared_host``, one host runs every worker and
@@ -324,6 +325,8 @@ class _Request:
     kind: str  # "pushpull", "push" or "pull"
     iteration: int
     capped: bool  # counts against the water mark (p3: a push that is not ``small``)
+    receipt: bool = False  # asks for a RECEIVED notice should its server park it (p3_sender's rule)
+    released: bool = False  # its cap slot is free again: its notice or its reply was received
 
 
 class _PSSim:
@@ -351,7 +354,8 @@ class _PSSim:
         self.server_cpu = [Resource(ev, cpu) for cpu in server_cpus]  # the server's thread
         self.queued: list[list[tuple[float, int, _Request]]] = [[] for _ in range(n_workers)]  # send queues
         self.order = 0
-        self.in_flight = [0] * n_workers
+        self.in_flight = [0] * n_workers  # capped requests not released
+        self.receipts = [0] * n_workers  # of those, how many asked for a RECEIVED notice
         self.water_mark = strategy.water_mark if strategy.mode == "p3" else INF
         self.coalesce_bytes = knob("TANDEM_PS_COALESCE_BYTES")  # 0: every request its own message
         self.rounds: dict[tuple[int, int, int], list[_Request]] = {}  # (param, slice, iteration) -> arrived
@@ -425,7 +429,7 @@ class _PSSim:
         for i, part in enumerate(self.slices[param]):
             nbytes = 0.0 if kind == "pull" else part.numel * 4 / ratio
             reply = 0.0 if kind == "push" else part.numel * 4 / (ratio if self.s.update_on == "workers" else 1)
-            capped = kind != "pull" and not (p3 and small(part.numel, self.s.slice_size))
+            capped = p3 and kind != "pull" and not small(part.numel, self.s.slice_size)
             request = _Request(worker, param, i, part.server, nbytes, reply, priority, kind, iteration, capped)
             heapq.heappush(self.queued[worker], (-priority, self.order, request))
             self.order += 1
@@ -433,14 +437,20 @@ class _PSSim:
             self.pump(worker)
 
     def pump(self, worker: int) -> None:
-        """The sender: requests leave by priority while the next one fits under the water mark (small
-        ones always fit); those leaving at once go to each server in as few messages as the client's
-        grouping makes (``grouped``: TANDEM_PS_COALESCE_BYTES each; one message_s per message)."""
+        """The sender (``p3_sender``): requests leave by priority while the next one fits under the water
+        mark (small ones always fit), and one more when the cap is full but none in flight asked for a
+        notice; a request asks for one if it fills the cap or others still queue. Those leaving at once
+        go to each server in as few messages as the client's grouping makes (``grouped``:
+        TANDEM_PS_COALESCE_BYTES each; one message_s per message)."""
         queue, leaving = self.queued[worker], []
-        while queue and (not queue[0][2].capped or self.in_flight[worker] < self.water_mark):
+        while queue and (not queue[0][2].capped or self.in_flight[worker] < self.water_mark
+                         or not self.receipts[worker]):  # fmt: skip
             _, _, request = heapq.heappop(queue)
-            self.in_flight[worker] += request.capped
             leaving.append(request)
+            if request.capped:
+                self.in_flight[worker] += 1
+                request.receipt = self.in_flight[worker] >= self.water_mark or bool(queue)
+                self.receipts[worker] += request.receipt
         for message in grouped(leaving, self.coalesce_bytes, lambda r: r.server, lambda r: r.nbytes):
             self._send_message(worker, message)
 
@@ -471,9 +481,6 @@ class _PSSim:
             self.events.now + self.c.latency_s, head_arrives))  # fmt: skip
 
     def arrived(self, request: _Request) -> None:
-        if request.capped:
-            self.in_flight[request.worker] -= 1
-            self.pump(request.worker)
         m = self.m
         cost = m.server_message_s + request.nbytes * m.server_byte_s + request.nbytes / m.aggregate_Bps
         self.server_cpu[request.server].put(cost, lambda: self.served(request), priority=request.priority)
@@ -489,6 +496,9 @@ class _PSSim:
         arrived = self.rounds.setdefault(key, [])
         arrived.append(request)
         if len(arrived) < self.c.workers:
+            if request.receipt:  # parked: the worker learns that it arrived (p3.P3Server._pushpull)
+                self.server_cpu[request.server].put(self.m.server_message_s, lambda: self.to_worker(
+                    request, 0.0, lambda: self.release(request)), priority=request.priority)  # fmt: skip
             return
         del self.rounds[key]
         update = self.slices[request.param][request.slice].numel * 4 / self.m.aggregate_Bps  # one pass over the sum
@@ -502,12 +512,16 @@ class _PSSim:
         self.server_cpu[request.server].put(update, round_done, priority=request.priority)
 
     def reply(self, request: _Request) -> None:
-        worker, seconds, sent = request.worker, request.reply_bytes / self.rate, self.events.now
+        self.to_worker(request, request.reply_bytes, lambda: self.received(request))
+
+    def to_worker(self, request: _Request, nbytes: float, received: Callable[[], None]) -> None:
+        """A message of ``nbytes`` about ``request`` from its server back to its worker (a reply, or a
+        RECEIVED notice of no bytes): the server's uplink, the worker's downlink, its IO thread."""
+        worker, seconds, sent = request.worker, nbytes / self.rate, self.events.now
 
         def landed() -> None:
             self.on_network(worker, sent)
-            cost = self.m.message_s + request.reply_bytes * self.m.byte_s
-            self.receiver[worker].put(cost, lambda: self.received(request))
+            self.receiver[worker].put(self.m.message_s + nbytes * self.m.byte_s, received)
 
         def head_arrives() -> None:
             self.downlink[worker].put(seconds, landed)
@@ -520,7 +534,17 @@ class _PSSim:
         if worker == 0:
             self.network.append((since, self.events.now))
 
+    def release(self, request: _Request) -> None:
+        """A capped request's slot is free again: its notice or its reply was received, the first of them."""
+        if not request.capped or request.released:
+            return
+        request.released = True
+        self.in_flight[request.worker] -= 1
+        self.receipts[request.worker] -= request.receipt
+        self.pump(request.worker)
+
     def received(self, request: _Request) -> None:
+        self.release(request)
         worker, param = request.worker, request.param
         self.missing[worker][param] -= 1
         if self.missing[worker][param] == 0:

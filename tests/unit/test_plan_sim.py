@@ -67,25 +67,37 @@ def test_a_higher_priority_slice_waits_only_for_the_slice_on_the_wire() -> None:
 
 
 def test_water_mark_one_serialises_slices() -> None:
-    """4 slices of 0.25 s: with a water mark each slice leaves only once the one before has arrived."""
+    """4 slices of 0.25 s: with a water mark of 1 each slice leaves only once the one before is answered
+    (the only worker's round completes as its push arrives, so the reply, not a notice, frees the slot)."""
     latency = 0.1
     cluster = Cluster(1, 1, RATE, latency_s=latency, **FREE)
     free = simulate(one_gradient(), cluster, Strategy("p3", slice_size=250_000, water_mark=10))
     serial = simulate(one_gradient(), cluster, Strategy("p3", slice_size=250_000, water_mark=1))
     assert free.iteration_s == pytest.approx(1.5 + 1.25 + 2 * latency)  # pushes pipelined, the last reply 0.25 s after
-    assert serial.iteration_s == pytest.approx(1.5 + 1.25 + 5 * latency)  # 3 more latencies between slices
+    assert serial.iteration_s == pytest.approx(1.5 + 4 * (0.25 + 0.25 + 2 * latency))  # a round trip per slice
+
+
+def test_a_parked_slice_is_released_by_its_notice() -> None:
+    """2 workers, 1 server, 2 slices of 0.25 s each, water mark 1: worker 0's first slice lands at 1.85
+    (its head at 1.6, then 0.25 s on the server's downlink), waits there for worker 1's (behind it on
+    that downlink until 2.1), and its RECEIVED notice frees the slot at 1.95, so the second slice leaves
+    then, not after the reply (2.1 + 0.1 + 0.25 = 2.45)."""
+    latency = 0.1
+    cluster = Cluster(2, 1, RATE, latency_s=latency, **FREE)
+    result = simulate(one_gradient(2_000_000), cluster, Strategy("p3", slice_size=250_000, water_mark=1))
+    assert [(round(t, 9), param, part) for t, param, part in result.sends[:2]] == [(1.5, 0, 0), (1.95, 0, 1)]
 
 
 def test_a_small_request_passes_the_water_mark() -> None:
     """A bias of 10 elements (priority 0) and a weight of 4 slices of 0.25 s, both finished by the one
     backward segment, water mark 1: the bias takes no slot, so the weight's first slice leaves with it
-    and the weight's slices go as in test_water_mark_one_serialises_slices (one latency between each)."""
+    and the weight's slices go as in test_water_mark_one_serialises_slices (a round trip each)."""
     latency = 0.1
     workload = Workload(("b", "w"), (40, 4_000_000), (1.0,), ((0, 1),), (0.5,), ((0, 1),))
     result = simulate(workload, Cluster(1, 1, RATE, latency_s=latency, **FREE), Strategy("p3", slice_size=250_000, water_mark=1))
     assert [(param, part) for _, param, part in result.sends[:2]] == [(0, 0), (1, 0)]
     assert result.sends[0][0] == result.sends[1][0]  # together: the bias did not wait for a slot
-    assert result.iteration_s == pytest.approx(1.5 + 1.25 + 5 * latency, abs=1e-3)  # the bias's bytes: 1e-5 s
+    assert result.iteration_s == pytest.approx(1.5 + 4 * (0.25 + 0.25 + 2 * latency), abs=1e-3)  # the bias's bytes: 1e-5 s
 
 
 def test_a_segments_requests_to_one_server_share_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
