@@ -148,14 +148,15 @@ def sweep(args: argparse.Namespace, out: Path) -> str:
             f"{rows[0][3]:.1f} samples/s, {float(rows[0][3]) / best:.0%} of the best point swept\n\n{text}")
 
 
-def quiet(row: dict[str, Any], out: Path) -> float:
-    """The prediction of ``row``'s job (its knobs) had the machine had no other work (``background=0``)."""
+def resimulate(row: dict[str, Any], out: Path, background: float = 0.0) -> float:
+    """The current simulator's prediction of ``row``'s job at its knobs, with ``background`` threads of
+    other work (0: had the machine had no other work)."""
     from tandem.planner.measure import load
     from tandem.planner.profile import Profile
     from tandem.planner.search import parse_rate
     from tandem.planner.sim import Cluster, Strategy, simulate
 
-    machine = dataclasses.replace(load(out / "machine.json"), background=0.0)
+    machine = dataclasses.replace(load(out / "machine.json"), background=background)
     knobs = re.match(r"p3 \((\d+)k, wm (\d+)\)", row["label"])
     strategy = Strategy(row["mode"], int(knobs[1]) * 1000, int(knobs[2])) if knobs else Strategy(row["mode"])
     cluster = Cluster(row["workers"], row["servers"], parse_rate(UNSHAPED if row["rate"] == "none" else row["rate"]),
@@ -174,7 +175,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> s
     rows = sorted(rows, key=lambda r: (r["model"], r["workers"], r["servers"], args.rates.index(r["rate"])
                                        if r["rate"] in args.rates else 9, order[r["mode"]]))  # fmt: skip
     errors = [r["predicted"] / r["measured"] - 1 for r in rows]
-    quiets = [quiet(r, out) for r in rows]
+    quiets = [resimulate(r, out) for r in rows]
     quiet_errors = [q / r["measured"] - 1 for r, q in zip(rows, quiets)]
     table = markdown_table(["model", "workers + servers", "link", "mode", "predicted samples/s", "measured",
                             "error", "other threads before / after", "predicted, no other work", "its error"],
@@ -231,9 +232,14 @@ def main() -> None:
     parser.add_argument("--sweep-rate", default="100mbit")
     parser.add_argument("--sweep-config", default="2x2")
     parser.add_argument("--report-only", action="store_true", help="write the table from OUT/plan_accuracy/jobs.jsonl")
+    parser.add_argument("--repredict", action="store_true",
+                        help="with --report-only: predict each recorded job again with the current simulator, at "
+                             "the knobs it ran (the planner may now choose others) and its recorded other work")  # fmt: skip
     args = parser.parse_args()
     if args.runs < 5:
         parser.error("--runs must be >= 5 (medians of at least 5 runs)")
+    if args.repredict and not args.report_only:
+        parser.error("--repredict re-predicts recorded jobs: use it with --report-only")
     out = OUT / "plan_accuracy"
     out.mkdir(parents=True, exist_ok=True)
     if args.sweep:
@@ -242,6 +248,8 @@ def main() -> None:
         return
     if args.report_only:
         rows = [json.loads(line) for line in (out / "jobs.jsonl").read_text().splitlines()]
+        if args.repredict:
+            rows = [{**row, "predicted": resimulate(row, out, row["background"])} for row in rows]
     else:
         rows = run_grid(args, out)
     from tandem.planner.measure import load

@@ -9,7 +9,7 @@ every message authenticated (a per-job secret, launch's default) and the update 
 request and one reply, so the worker's CPU per pushpull is ``2 (message_s + bytes byte_s)`` and the
 server's ``2 (server_message_s + bytes server_byte_s)`` plus the two passes over the bytes the
 simulator charges as summing (the push, the round's update); the update's fixed cost per slot goes
-into ``server_message_s``. ``aggregate_bytes_per_s``: float32 bytes a server adds
+into ``server_message_s``, so the simulator charges it per request rather than once per round. ``aggregate_bytes_per_s``: float32 bytes a server adds
 per second (``a.add_(b)`` on 64 MB arrays, beyond the caches as received gradients are, one thread).
 """
 

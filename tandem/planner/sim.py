@@ -186,6 +186,7 @@ class Prediction:
     idle_s: float  # waiting while none was: CPU per message, the servers' CPU
     samples_per_s: float = 0.0
     sends: list[tuple[float, int, int]] = field(default_factory=list, repr=False)  # worker 0: (time, param, slice)
+    notices: int = 0  # RECEIVED notices worker 0 received over the whole simulation (p3)
 
     def row(self) -> dict[str, float | str]:
         return {"mode": self.strategy.label, "samples/s": self.samples_per_s, "ms/iter": self.iteration_s * 1e3,
@@ -369,6 +370,7 @@ class _PSSim:
         self.waits: list[tuple[float, float]] = []  # worker 0
         self.backward_end: list[float] = []  # worker 0, per iteration
         self.sends: list[tuple[float, int, int]] = []
+        self.notices = 0  # worker 0's
         self.network: list[tuple[float, float]] = []  # worker 0's messages between leaving and landing
 
     # the worker's compute loop
@@ -437,22 +439,26 @@ class _PSSim:
             self.pump(worker)
 
     def pump(self, worker: int) -> None:
-        """The sender (``p3_sender``): requests leave by priority while the next one fits under the water
-        mark (small ones always fit), and one more when the cap is full but none in flight asked for a
-        notice; a request asks for one if it fills the cap or others still queue. Those leaving at once
-        go to each server in as few messages as the client's grouping makes (``grouped``:
-        TANDEM_PS_COALESCE_BYTES each; one message_s per message)."""
-        queue, leaving = self.queued[worker], []
-        while queue and (not queue[0][2].capped or self.in_flight[worker] < self.water_mark
-                         or not self.receipts[worker]):  # fmt: skip
-            _, _, request = heapq.heappop(queue)
-            leaving.append(request)
-            if request.capped:
-                self.in_flight[worker] += 1
-                request.receipt = self.in_flight[worker] >= self.water_mark or bool(queue)
-                self.receipts[worker] += request.receipt
-        for message in grouped(leaving, self.coalesce_bytes, lambda r: r.server, lambda r: r.nbytes):
-            self._send_message(worker, message)
+        """The sender (``p3_sender``): while the queue's head fits under the water mark (small requests
+        always fit), or the cap is full but none in flight asked for a notice (one more then), a group
+        leaves: the head and those behind it that fit. Only then are their slots taken, each asking
+        for a notice if it fills the cap or requests still queue behind the group. A group goes to each
+        server in as few messages as the client's grouping makes (``grouped``: TANDEM_PS_COALESCE_BYTES
+        each; one message_s per message)."""
+        queue, fits = self.queued[worker], lambda r, held: not r.capped or held < self.water_mark
+        while queue and (fits(queue[0][2], self.in_flight[worker]) or not self.receipts[worker]):
+            leaving = [heapq.heappop(queue)[2]]
+            held = self.in_flight[worker] + leaving[0].capped
+            while queue and fits(queue[0][2], held):
+                leaving.append(heapq.heappop(queue)[2])
+                held += leaving[-1].capped
+            for request in leaving:  # p3_sender._hold, once the group has left the queue
+                if request.capped:
+                    self.in_flight[worker] += 1
+                    request.receipt = self.in_flight[worker] >= self.water_mark or bool(queue)
+                    self.receipts[worker] += request.receipt
+            for message in grouped(leaving, self.coalesce_bytes, lambda r: r.server, lambda r: r.nbytes):
+                self._send_message(worker, message)
 
     def _send_message(self, worker: int, requests: list[_Request]) -> None:
         cost = self.m.message_s + sum(r.nbytes for r in requests) * self.m.byte_s
@@ -496,9 +502,9 @@ class _PSSim:
         arrived = self.rounds.setdefault(key, [])
         arrived.append(request)
         if len(arrived) < self.c.workers:
-            if request.receipt:  # parked: the worker learns that it arrived (p3.P3Server._pushpull)
+            if request.receipt:  # parked: the worker learns at once that it arrived (p3.P3Server._pushpull)
                 self.server_cpu[request.server].put(self.m.server_message_s, lambda: self.to_worker(
-                    request, 0.0, lambda: self.release(request)), priority=request.priority)  # fmt: skip
+                    request, 0.0, lambda: self.noticed(request)), priority=INF)  # fmt: skip
             return
         del self.rounds[key]
         update = self.slices[request.param][request.slice].numel * 4 / self.m.aggregate_Bps  # one pass over the sum
@@ -534,6 +540,10 @@ class _PSSim:
         if worker == 0:
             self.network.append((since, self.events.now))
 
+    def noticed(self, request: _Request) -> None:
+        self.notices += request.worker == 0
+        self.release(request)
+
     def release(self, request: _Request) -> None:
         """A capped request's slot is free again: its notice or its reply was received, the first of them."""
         if not request.capped or request.released:
@@ -563,7 +573,7 @@ class _PSSim:
         links = _union(self.network)
         waited = sum(b - a for a, b in waits) / measured
         exposed = sum(_overlap(a, b, links) for a, b in waits) / measured
-        return _prediction(self.w, self.c, self.s, iteration_s, exposed, waited - exposed, self.sends)
+        return _prediction(self.w, self.c, self.s, iteration_s, exposed, waited - exposed, self.sends, self.notices)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -581,10 +591,10 @@ def _overlap(start: float, end: float, merged: list[tuple[float, float]]) -> flo
 
 
 def _prediction(workload: Workload, cluster: Cluster, strategy: Strategy, iteration_s: float, exposed: float,
-                idle: float, sends: list[tuple[float, int, int]] | None = None) -> Prediction:  # fmt: skip
+                idle: float, sends: list[tuple[float, int, int]] | None = None, notices: int = 0) -> Prediction:  # fmt: skip
     samples = cluster.workers * workload.batch_size / iteration_s if iteration_s > 0 else INF
     return Prediction(cluster, strategy, iteration_s, workload.compute_s, exposed, max(idle, 0.0), samples,
-                      sends or [])  # fmt: skip
+                      sends or [], notices)  # fmt: skip
 
 
 # -- collective all-reduce ---------------------------------------------------------------------------------

@@ -86,6 +86,17 @@ def test_a_parked_slice_is_released_by_its_notice() -> None:
     cluster = Cluster(2, 1, RATE, latency_s=latency, **FREE)
     result = simulate(one_gradient(2_000_000), cluster, Strategy("p3", slice_size=250_000, water_mark=1))
     assert [(round(t, 9), param, part) for t, param, part in result.sends[:2]] == [(1.5, 0, 0), (1.95, 0, 1)]
+    assert result.notices > 0
+
+
+def test_no_notices_where_the_cap_never_binds() -> None:
+    """p3_sender asks for a notice only for the request that fills the cap or one sent while others
+    queue, decided once its group has left the queue: 2 slices under a water mark of 10 ask for none;
+    under a water mark of 2 the second fills the cap and asks."""
+    cluster = Cluster(2, 1, RATE, latency_s=0.1, **FREE)
+    loose = simulate(one_gradient(2_000_000), cluster, Strategy("p3", slice_size=250_000, water_mark=10))
+    full = simulate(one_gradient(2_000_000), cluster, Strategy("p3", slice_size=250_000, water_mark=2))
+    assert loose.notices == 0 and full.notices > 0
 
 
 def test_a_small_request_passes_the_water_mark() -> None:
