@@ -9,8 +9,9 @@ every message authenticated (a per-job secret, launch's default) and the update 
 request and one reply, so the worker's CPU per pushpull is ``2 (message_s + bytes byte_s)`` and the
 server's ``2 (server_message_s + bytes server_byte_s)`` plus the two passes over the bytes the
 simulator charges as summing (the push, the round's update); the update's fixed cost per slot goes
-into ``server_message_s``, so the simulator charges it per request rather than once per round. ``aggregate_bytes_per_s``: float32 bytes a server adds
-per second (``a.add_(b)`` on 64 MB arrays, beyond the caches as received gradients are, one thread).
+into ``server_message_s``, so the simulator charges it per request rather than once per round.
+``aggregate_bytes_per_s``: float32 bytes a server adds per second (``a.add_(b)`` on 64 MB arrays,
+beyond the caches as received gradients are, one thread).
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int 
         for numel, _ in sizes:
             kv.init(f"probe{numel}", torch.zeros(numel))
         kv.set_optimizer(optim.SGD(lr=1e-6, momentum=0.9))  # the server updates and replies with a copy, as in a job
+        buffers = {numel: (torch.ones(numel), torch.empty(numel)) for numel, _ in sizes}
+        for numel, trips in sizes:  # warm up, once
+            for _ in range(trips // 10):
+                kv.pushpull(f"probe{numel}", buffers[numel][0], out=buffers[numel][1]).wait()
         samples: dict[int, list[tuple[float, float]]] = {numel: [] for numel, _ in sizes}
         for _ in range(repeats):  # interleaved, the median of each: one disturbed pass does not decide
             for numel, trips in sizes:
-                value, out = torch.ones(numel), torch.empty(numel)
-                for _ in range(trips // 10):  # warm up
-                    kv.pushpull(f"probe{numel}", value, out=out).wait()
+                value, out = buffers[numel]
                 worker, served = time.process_time(), _thread_seconds(server.pid)
                 for _ in range(trips):
                     kv.pushpull(f"probe{numel}", value, out=out).wait()

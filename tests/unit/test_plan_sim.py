@@ -55,7 +55,7 @@ def test_baseline_waits_for_everything_overlap_starts_during_backward() -> None:
     assert overlap.exposed_s == pytest.approx(2.0) and overlap.idle_s == pytest.approx(0.0)
 
 
-def test_a_higher_priority_slice_waits_only_for_the_slice_on_the_wire() -> None:
+def test_a_higher_priority_slice_waits_only_for_the_slice_in_flight() -> None:
     """b (2 slices of 1 s, priority -1) is finished first, a (1 slice, priority 0) a moment later: with water
     mark 1 a overtakes b's second slice; overlap (FIFO, whole tensors) sends it last."""
     workload = Workload(("a", "b"), (400_000, 8_000_000), (1.0,), ((0, 1),), (1.0, 0.01), ((1,), (0,)))
