@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--here", action="store_true",
                         help="plan for this machine running every worker and server, sharing its cores with each "
                              "other and with the other work running now (its CPU costs measured once, cached in "
-                             "OUT/machine.json); implied by --validate")
+                             "OUT/machine.json, measured again when its speed per torch call moved by > 25%%); "
+                             "implied by --validate")
     parser.add_argument("--cores", type=float, default=None,
                         help="cores per host (default: a spare core for every thread; with --here: this machine's)")
     parser.add_argument("--measure", action="store_true",

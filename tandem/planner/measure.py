@@ -148,25 +148,64 @@ def measure_machine(shared_host: bool = True) -> Machine:
     return Machine(**message_costs(), aggregate_Bps=aggregate_bytes_per_s(), cores=cores(), shared_host=shared_host)
 
 
-def save(machine: Machine, path: str | Path) -> Path:
+def dispatch_seconds(ops: int = 20_000, repeats: int = 3) -> float:
+    """Seconds per small torch call from Python (``x.add_(1)`` on 1,000 elements, one thread): the
+    per-op cost that message costs and small models' steps follow. The least disturbed of ``repeats``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, times = torch.zeros(1000), []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(ops):
+                x.add_(1)
+            times.append((time.perf_counter() - start) / ops)
+    finally:
+        torch.set_num_threads(threads)
+    return min(times)
+
+
+def save(machine: Machine, path: str | Path, dispatch_s: float | None = None) -> Path:
+    """``machine`` as JSON, with the ``dispatch_seconds`` measured beside its costs (to tell later
+    whether the machine still runs at the speed it was measured at)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dataclasses.asdict(machine), indent=1))
+    found = dataclasses.asdict(machine) | ({} if dispatch_s is None else {"dispatch_s": dispatch_s})
+    path.write_text(json.dumps(found, indent=1))
     return path
 
 
+def _read(path: str | Path) -> tuple[Machine, float | None]:
+    found = json.loads(Path(path).read_text())
+    dispatch_s = found.pop("dispatch_s", None)
+    return Machine(**found), dispatch_s
+
+
 def load(path: str | Path) -> Machine:
-    return Machine(**json.loads(Path(path).read_text()))
+    return _read(path)[0]
+
+
+STALE = 0.25  # a cached machine is measured again when its per-op speed moved by more than this
 
 
 def this_machine(cache: str | Path | None = None, refresh: bool = False) -> Machine:
     """This machine, every process on it: read from ``cache`` if there (and not ``refresh``), else measured
-    (a few seconds) and saved there."""
+    (a few seconds) and saved there. A cache is measured again when this machine's per-op speed
+    (``dispatch_seconds``) is more than ``STALE`` away from what it was when the cache was written:
+    a machine shared with other tenants can run at half its speed for hours, and every cost with it."""
+    dispatch_s = dispatch_seconds() if cache is not None else None
     if cache is not None and Path(cache).exists() and not refresh:
-        return load(cache)
+        machine, then = _read(cache)
+        assert dispatch_s is not None
+        if then is not None and abs(dispatch_s / then - 1) <= STALE:
+            return machine
+        print(f"tandem plan: {cache} was measured at {'an unknown speed' if then is None else f'{then * 1e6:.2f} us'} "
+              f"per op, this machine now takes {dispatch_s * 1e6:.2f} us: measuring it again", file=sys.stderr)  # fmt: skip
     machine = measure_machine()
     if cache is not None:
-        save(machine, cache)
+        save(machine, cache, dispatch_s)
     return machine
 
 
