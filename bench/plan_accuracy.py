@@ -40,10 +40,12 @@ UNSHAPED = "100gbit"  # what the plan assumes for "none" (loopback)
 
 
 def _profile(model: str, cache: Path) -> Any:
-    """The model's profiled step (bench/p3.py's model and batch), cached."""
+    """The model's profiled step (bench/p3.py's model and batch), cached; profiled again when the cache
+    is older than the machine's costs beside it (measured again: the machine's speed moved)."""
     from tandem.planner.profile import Profile, profile
 
-    if cache.exists():
+    machine = cache.parent / "machine.json"
+    if cache.exists() and not (machine.exists() and machine.stat().st_mtime > cache.stat().st_mtime):
         return Profile.load(cache)
     import torch
 
