@@ -78,6 +78,12 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
         for line in log.read_text().splitlines():
             row = json.loads(line)
             done[_key(row["model"], row["workers"], row["servers"], row["rate"], row["mode"])] = row
+    costs = dataclasses.asdict(machine)
+    elsewhere = [row for row in done.values() if row.get("machine", costs) != costs]
+    if elsewhere:  # a resumed grid after the machine's costs were measured again
+        print(f"warning: {log} holds {len(elsewhere)} jobs planned with other machine costs (another state of "
+              f"the machine); each keeps its own costs, but to validate in one state delete {log} and run again",
+              flush=True)  # fmt: skip
     configs = [tuple(int(n) for n in c.split("x")) for c in args.configs]
     for workers, servers in configs:
         for model in args.models:
@@ -105,6 +111,7 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                         print(f"{key}: failed: {str(error)[-500:]}", flush=True)
                         continue
                     row = {"model": model, "workers": workers, "servers": servers, "rate": rate, "mode": mode,
+                           "machine": costs,
                            "label": strategy.label, "predicted": predicted.samples_per_s, "measured": measured,
                            "seconds": time.time() - start, "load_before": load, "load_after": os.getloadavg()[0],
                            "background": background, "background_after": background_threads()}  # fmt: skip
@@ -156,9 +163,10 @@ def resimulate(row: dict[str, Any], out: Path, background: float = 0.0) -> float
     from tandem.planner.measure import load
     from tandem.planner.profile import Profile
     from tandem.planner.search import parse_rate
-    from tandem.planner.sim import Cluster, Strategy, simulate
+    from tandem.planner.sim import Cluster, Machine, Strategy, simulate
 
-    machine = dataclasses.replace(load(out / "machine.json"), background=background)
+    recorded = Machine(**row["machine"]) if "machine" in row else load(out / "machine.json")  # as it was planned
+    machine = dataclasses.replace(recorded, background=background)
     knobs = re.match(r"p3 \((\d+)k, wm (\d+)\)", row["label"])
     strategy = Strategy(row["mode"], int(knobs[1]) * 1000, int(knobs[2])) if knobs else Strategy(row["mode"])
     cluster = Cluster(row["workers"], row["servers"], parse_rate(UNSHAPED if row["rate"] == "none" else row["rate"]),

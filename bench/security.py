@@ -11,7 +11,9 @@ Two measurements:
   pushpull of 1 MB and of 16 MB (float32) timed ``--repeats`` times per setting, the settings
   interleaved repeat by repeat (the machine is shared and noisy); medians.
 - **training**: P3 training throughput of ``bench/p3.py``'s resnet (2 workers + 2 servers,
-  ``dist_p3``), one job per setting per round, ``--rounds`` rounds interleaved; median samples/s.
+  ``dist_p3``), one job per setting per round (the settings' order rotating round by round),
+  ``--rounds`` rounds; median samples/s, and the cost of a secret round by round (1 - auth / none
+  of the same round: jobs vary by tens of percent, and the same round's pair shares the machine's state).
   Per link of ``--rates``: ``none`` is loopback (4 processes on this machine's cores, no wire to
   wait for: what security costs in CPU shows in full), a rate runs every process in its own network
   namespace shaped to it (``tandem launch --netns-rate``), as on a cluster.
@@ -109,9 +111,11 @@ def training(rounds: int, steps: int, rate: str) -> dict[str, list[float]]:
 
     batch = 2 * p3.MODELS["resnet"][2]
     speeds: dict[str, list[float]] = {name: [] for name in SETTINGS}
-    for _ in range(rounds):
-        for name, launch_args in SETTINGS.items():
-            result = p3.run_tandem("resnet", "p3", rate, 3, steps, {}, launch_args)
+    names = list(SETTINGS)
+    for round_index in range(rounds):
+        turn = round_index % len(names)  # each setting goes first, second, third in turn: no order effect
+        for name in names[turn:] + names[:turn]:
+            result = p3.run_tandem("resnet", "p3", rate, 3, steps, {}, SETTINGS[name])
             speeds[name].append(batch / result["seconds"])
     return speeds
 
@@ -153,7 +157,8 @@ def main() -> None:
     args = parser.parse_args()
     seconds = pushpull(args.repeats)
     samples = {rate: training(args.rounds, args.steps, rate) for rate in args.rates}
-    speeds = {rate: {name: statistics.median(values) for name, values in by_name.items()} for rate, by_name in samples.items()}
+    speeds = {rate: {name: statistics.median(values) for name, values in by_name.items()}
+              for rate, by_name in samples.items()}  # fmt: skip
     rows = [[name, f"{seconds[name]['1 MB'] * 1000:.2f}", f"{seconds[name]['1 MB'] / seconds['none']['1 MB']:.2f}x",
              f"{seconds[name]['16 MB'] * 1000:.1f}", f"{seconds[name]['16 MB'] / seconds['none']['16 MB']:.2f}x",
              *(f"{speed[name]:.0f} ({speed[name] / speed['none']:.3f}x)" for speed in speeds.values())]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import secrets
 import statistics
@@ -187,22 +188,33 @@ def load(path: str | Path) -> Machine:
     return _read(path)[0]
 
 
-STALE = 0.25  # a cached machine is measured again when its per-op speed moved by more than this
+STALE = 0.25  # a cached machine is measured again when its per-op speed moved by more than this (either way)
 
 
-def this_machine(cache: str | Path | None = None, refresh: bool = False) -> Machine:
+def stale(then: object, now: float) -> bool:
+    """Whether costs cached at per-op speed ``then`` (``dispatch_seconds``; None or nonsense: unknown)
+    no longer hold at ``now``: the speed moved by more than ``STALE``, slower or faster alike."""
+    if not (isinstance(then, (int, float)) and then > 0 and now > 0):
+        return True
+    return abs(math.log(now / then)) > math.log(1 + STALE)
+
+
+def this_machine(cache: str | Path | None = None, refresh: bool = False, dispatch_s: float | None = None) -> Machine:
     """This machine, every process on it: read from ``cache`` if there (and not ``refresh``), else measured
     (a few seconds) and saved there. A cache is measured again when this machine's per-op speed
-    (``dispatch_seconds``) is more than ``STALE`` away from what it was when the cache was written:
-    a machine shared with other tenants can run at half its speed for hours, and every cost with it."""
-    dispatch_s = dispatch_seconds() if cache is not None else None
+    (``dispatch_s``: ``dispatch_seconds()`` unless given) is ``stale`` against the speed saved with it,
+    or none was saved (a cache of an earlier version): a machine shared with other tenants can run
+    at half its speed for hours, and every cost with it."""
+    if cache is not None and dispatch_s is None:
+        dispatch_s = dispatch_seconds()
     if cache is not None and Path(cache).exists() and not refresh:
         machine, then = _read(cache)
         assert dispatch_s is not None
-        if then is not None and abs(dispatch_s / then - 1) <= STALE:
+        if not stale(then, dispatch_s):
             return machine
-        print(f"tandem plan: {cache} was measured at {'an unknown speed' if then is None else f'{then * 1e6:.2f} us'} "
-              f"per op, this machine now takes {dispatch_s * 1e6:.2f} us: measuring it again", file=sys.stderr)  # fmt: skip
+        known = f"{then * 1e6:.2f} us" if isinstance(then, (int, float)) else "an unknown speed"
+        print(f"{cache}: measured at {known} per torch call, this machine now takes {dispatch_s * 1e6:.2f} us: "
+              f"measuring its costs again", file=sys.stderr)  # fmt: skip
     machine = measure_machine()
     if cache is not None:
         save(machine, cache, dispatch_s)
