@@ -50,6 +50,13 @@ def worker_lines(output: str, marker: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("[worker") and marker in line]
 
 
+def first_and_tail_loss(line: str) -> tuple[float, float]:
+    """The first step's loss and the mean of the last five from a trainer_modes.py line."""
+    found = re.search(r" loss (\S+) -> \S+ tail (\S+) ", line)
+    assert found, line
+    return float(found[1]), float(found[2])
+
+
 def start_by_hand(
     tmp_path: Path, workers: int, servers: int, script: str = "train_forever.py", *args: str
 ) -> tuple[dist.TCPStore, dict[str, subprocess.Popen[bytes]]]:

@@ -3,7 +3,8 @@ table of all of them, with the test proving each: tests/unit/test_combinations.p
 
 Sync kinds: after 10 steps the parameters equal one process on the whole batch (float64, as
 test_trainer_dist). Async kinds have no exact reference (pushes are applied as they arrive): the loss
-of each worker must fall to under half its first value (one process: 2.35 -> 0.10 in 20 steps).
+of each worker, averaged over the last five steps, must fall to under half its first value (one process:
+2.35 -> 0.10 in 20 steps; ASYNC_STEPS leaves room for a worker slowed by a loaded machine).
 Jobs are kept small (one server, the tiny mlp) to hold the added time to about 5 s a job.
 """
 
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.jobs import run_job, worker_lines
-from tests.distributed.test_trainer_dist import single_process
+from tests.distributed.jobs import first_and_tail_loss, run_job, worker_lines
+from tests.distributed.test_trainer_dist import ASYNC_STEPS, single_process
 
 STEPS = 10
 SLICED = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "100"}  # P3 kinds: many slices, most not a multiple of the size
@@ -40,9 +41,9 @@ def test_sync_combination_equals_one_process(kind: str, mode: str, update_on_kvs
                                             ("dist_p3_async", "baseline"), ("dist_p3_async", "overlap")])  # fmt: skip
 def test_async_combination_converges(kind: str, mode: str, tmp_path: Path) -> None:
     """The optimizer on the servers (the only update location an async kind accepts)."""
-    job = run_job("trainer_modes.py", 2, 1, kind, mode, "1", str(tmp_path), "20", "mlp", env=SLICED)
+    job = run_job("trainer_modes.py", 2, 1, kind, mode, "1", str(tmp_path), str(ASYNC_STEPS), "mlp", env=SLICED)
     lines = worker_lines(job.stdout, " OK ")
     assert len(lines) == 2, job.stdout
     for line in lines:
-        first, last = map(float, line.split(" loss ")[1].split(" slicings")[0].split(" -> "))
-        assert last < 0.5 * first, line
+        first, tail = first_and_tail_loss(line)
+        assert tail < 0.5 * first, line

@@ -9,7 +9,9 @@ import torch
 
 import tandem
 from tandem import models, optim
-from tests.distributed.jobs import run_job, worker_lines
+from tests.distributed.jobs import first_and_tail_loss, run_job, worker_lines
+
+ASYNC_STEPS = 30  # async jobs have no exact reference: their loss must fall, with room for a slow worker
 
 
 def single_process(model_name: str, steps: int, batch_size: int = 8) -> dict[str, torch.Tensor]:
@@ -90,13 +92,14 @@ def test_baseline_overlap_and_p3_give_the_same_parameters_with_inductor(tmp_path
 def test_async_p3_trainer_trains(mode: str, tmp_path: Path) -> None:
     """dist_p3_async under Trainer(communication="p3"): each worker's own tuner (water mark, send timing)
     or the serial timing; async rounds have no exact reference, so: both finish, parameters moved, finite,
-    and each worker's loss falls to under half its first (one process: 2.35 -> 0.10 in 20 steps)."""
+    and each worker's loss, averaged over its last five steps, falls to under half its first (one process:
+    2.35 -> 0.10 in 20 steps)."""
     env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "0" if mode == "p3-auto" else "100"}
-    job = run_job("trainer_modes.py", 2, 2, "dist_p3_async", mode, "1", str(tmp_path), "20", "mlp", env=env)
+    job = run_job("trainer_modes.py", 2, 2, "dist_p3_async", mode, "1", str(tmp_path), str(ASYNC_STEPS), "mlp", env=env)
     assert len(worker_lines(job.stdout, " OK ")) == 2, job.stdout
     for line in worker_lines(job.stdout, " OK "):
-        first, last = map(float, line.split(" loss ")[1].split(" slicings")[0].split(" -> "))
-        assert last < 0.5 * first, line
+        first, tail = first_and_tail_loss(line)
+        assert tail < 0.5 * first, line
     start = single_process("mlp", 0)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)

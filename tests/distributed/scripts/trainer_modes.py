@@ -5,7 +5,8 @@ Usage: trainer_modes.py KIND MODE UPDATE_ON_KVSTORE OUT_DIR STEPS MODEL
 ends, as the tuner may choose); ``p3-auto``: the tuner at work, switching often, so the slots move
 between slicings, and the send timing changes, while training)
 Writes OUT_DIR/rank{r}.pt with the final parameters and OUT_DIR/report{r}.txt with the step report;
-prints the first and the last step's loss (of this worker's rows).
+prints the first and the last step's loss (of this worker's rows), the mean of the last five (an async
+worker's loss jumps step to step as other workers' pushes land) and every step's.
 """
 
 from __future__ import annotations
@@ -44,4 +45,5 @@ Path(out, f"report{rank}.txt").write_text(f"{report.num_segments} {len(report.gr
 slicings = [config.slice_size for config, _ in tuner.history] if timing == "auto" else []
 backend = trainer.train_step.compile_report()["backend"]
 print(f"trainer_modes OK rank {rank} mode {mode} backend {backend} loss {losses[0]:.6f} -> {losses[-1]:.6f} "
+      f"tail {sum(losses[-5:]) / len(losses[-5:]):.6f} all {','.join(f'{loss:.3f}' for loss in losses)} "
       f"slicings {','.join(map(str, slicings))}")  # slicings last: test_trainer_dist reads the rest of the line
