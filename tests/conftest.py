@@ -13,6 +13,15 @@ from torch import nn
 torch.set_num_threads(1)  # the CI machine has 2 cores; tests stay predictable and do not oversubscribe
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (scripts/test.sh: ``-n 2 --dist loadgroup``) the multi-process jobs of
+    tests/distributed run one at a time on one worker (each job already fills the 2 cores in bursts,
+    and the network-namespace tests share names), while the other worker runs the single-process tests."""
+    for item in items:
+        if "distributed" in item.path.parts:
+            item.add_marker(pytest.mark.xdist_group("distributed"))
+
+
 def eager_step(module: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
                seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and gradients by plain eager autograd (the reference every graph pass is held to)."""
