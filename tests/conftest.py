@@ -13,6 +13,7 @@ from torch import nn
 torch.set_num_threads(1)  # the CI machine has 2 cores; tests stay predictable and do not oversubscribe
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (scripts/test.sh: ``-n 2 --dist loadgroup``) the multi-process jobs of
     tests/distributed run one at a time on one worker (each job already fills the 2 cores in bursts,
@@ -20,6 +21,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "distributed" in item.path.parts:
             item.add_marker(pytest.mark.xdist_group("distributed"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Fail loudly where pytest-xdist would ignore the group and spread the jobs over both workers (it
+    names a grouped test ``...@distributed``; pytest 9.2 broke that: pytest-xdist issue #1386)."""
+    if getattr(session.config.option, "loadgroup", False):
+        ungrouped = [i.nodeid for i in session.items if "distributed" in i.path.parts and "@" not in i.nodeid]
+        if ungrouped:
+            raise pytest.UsageError(f"pytest-xdist did not group {ungrouped[0]} (pytest-xdist issue #1386): "
+                                    f"install the pytest pyproject.toml pins (pip install -e .[dev])")
 
 
 def eager_step(module: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
