@@ -15,19 +15,24 @@ torch.set_num_threads(1)  # the CI machine has 2 cores; tests stay predictable a
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (scripts/test.sh: ``-n 2 --dist loadgroup``) the multi-process jobs of
-    tests/distributed run one at a time on one worker (each job already fills the 2 cores in bursts,
-    and the network-namespace tests share names), while the other worker runs the single-process tests."""
+    """Under pytest-xdist (scripts/test.sh: ``-n auto --dist loadgroup``) the multi-process jobs of
+    tests/distributed run in two groups, each one job at a time on one worker (a job fills the 2
+    cores in bursts): the exactness jobs, which only take longer on a loaded machine, and the rest,
+    whose faults, timeouts, restarts and shaped links go in one queue that no second fault test joins."""
     for item in items:
         if "distributed" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group("distributed"))
+            exact = item.path.name in EXACTNESS_FILES
+            item.add_marker(pytest.mark.xdist_group("distributed-exact" if exact else "distributed"))
+
+
+EXACTNESS_FILES = {"test_trainer_dist.py", "test_p3_dist.py", "test_combinations_dist.py"}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Fail loudly where pytest-xdist would ignore the group and spread the jobs over both workers (it
-    names a grouped test ``...@distributed``; pytest 9.2 broke that: pytest-xdist issue #1386)."""
+    names a grouped test ``...@distributed...``; pytest 9.2 broke that: pytest-xdist issue #1386)."""
     if getattr(session.config.option, "loadgroup", False):
-        ungrouped = [i.nodeid for i in session.items if "distributed" in i.path.parts and "@" not in i.nodeid]
+        ungrouped = [i.nodeid for i in session.items if "distributed" in i.path.parts and "@distributed" not in i.nodeid]
         if ungrouped:
             raise pytest.UsageError(f"pytest-xdist did not group {ungrouped[0]} (pytest-xdist issue #1386): "
                                     f"install the pytest pyproject.toml pins (pip install -e .[dev])")

@@ -20,23 +20,30 @@ def _accuracy(out: Path, name: str) -> float:
     return json.loads((out / name).read_text())[-1]["eval_accuracy"]
 
 
+@pytest.fixture(scope="module")
+def single_process_accuracy(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """The same training in one process, on the whole batch: the reference of every data-parallel run."""
+    out = tmp_path_factory.mktemp("single")
+    single = subprocess.run([sys.executable, "-m", "tandem", "train", *EPOCHS, "--threads", "1", "--out", str(out)],
+                            cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert single.returncode == 0, single.stderr
+    return _accuracy(out, "history.json")
+
+
 @pytest.mark.parametrize(("kind", "compression", "update_on"),
                          [("dist_sync", None, "servers"), ("dist_p3", None, "servers"), ("dist_p3", "fp16", "servers"),
                           ("dist_p3", "fp16", "workers")])  # fmt: skip
 def test_data_parallel_digits_matches_single_process(
-    kind: str, compression: str | None, update_on: str, tmp_path: Path
+    kind: str, compression: str | None, update_on: str, single_process_accuracy: float, tmp_path: Path
 ) -> None:
     train = [sys.executable, "-m", "tandem", "train", *EPOCHS, "--threads", "1"]
-    single = subprocess.run([*train, "--out", str(tmp_path / "single")], cwd=REPO, env=job_env(),
-                            capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0, single.stderr
     launch = [sys.executable, "-m", "tandem", "launch", "-n", "2", "-s", "2", *(["--p3"] if kind == "dist_p3" else []),
               "--", *train, "--kvstore", kind, "--out", str(tmp_path / "dist"),
               "--update-on", update_on, *(["--gradient-compression", compression] if compression else [])]
     dist = subprocess.run(launch, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
     assert dist.returncode == 0, dist.stdout + dist.stderr
     assert "[worker 0] tandem: done" in dist.stdout and "[worker 1] tandem: done" in dist.stdout
-    one = _accuracy(tmp_path / "single", "history.json")
+    one = single_process_accuracy
     both = [_accuracy(tmp_path / "dist", f"history-rank{rank}.json") for rank in range(2)]
     assert both[0] == both[1], "workers hold the same parameters"
     assert one >= 0.95 and both[0] >= 0.95, (one, both)
