@@ -5,19 +5,20 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests.distributed.jobs import REPO, job_env, launch_command
 
 
-def _launch(*args: str, failing_worker: int) -> tuple[subprocess.CompletedProcess[str], float]:
-    command = launch_command("echo_role.py", 2, 2, str(failing_worker), env={"EXTRA": "x=1"})
+def _launch(ready: Path, failing_worker: int) -> tuple[subprocess.CompletedProcess[str], float]:
+    command = launch_command("echo_role.py", 2, 2, str(failing_worker), str(ready), env={"EXTRA": "x=1"})
     start = time.monotonic()
     result = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
     return result, time.monotonic() - start
 
 
-def test_every_line_is_prefixed_and_a_failing_worker_stops_the_job() -> None:
-    result, elapsed = _launch(failing_worker=1)
+def test_every_line_is_prefixed_and_a_failing_worker_stops_the_job(tmp_path: Path) -> None:
+    result, elapsed = _launch(tmp_path, failing_worker=1)
     lines = result.stdout.splitlines()
     for role, rank in [("server", 0), ("server", 1), ("worker", 0), ("worker", 1)]:
         assert f"[{role} {rank}] hello from {role} {rank} of 2w/2s threads=1 extra=x=1" in lines, (
