@@ -19,17 +19,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests/distributed run one at a time on one worker, first (they take longest together), while
     the other workers run the single-process tests. Two jobs at once were slower in all (23.6 min
     against 19.5 on 2 cores): each job fills the cores in bursts."""
-    items.sort(key=lambda item: "distributed" not in item.path.parts)  # stable: the group starts first
+    items.sort(key=lambda item: not _multi_process(item))  # stable: the group starts first
     for item in items:
-        if "distributed" in item.path.parts:
+        if _multi_process(item):
             item.add_marker(pytest.mark.xdist_group("distributed"))
+
+
+def _multi_process(item: pytest.Item) -> bool:
+    return "distributed" in item.path.parts
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Fail loudly where pytest-xdist would ignore the group and spread the jobs over both workers (it
     names a grouped test ``...@distributed...``; pytest 9.2 broke that: pytest-xdist issue #1386)."""
     if getattr(session.config.option, "loadgroup", False):
-        ungrouped = [i.nodeid for i in session.items if "distributed" in i.path.parts and "@distributed" not in i.nodeid]
+        ungrouped = [i.nodeid for i in session.items if _multi_process(i) and "@distributed" not in i.nodeid]
         if ungrouped:
             raise pytest.UsageError(f"pytest-xdist did not group {ungrouped[0]} (pytest-xdist issue #1386): "
                                     f"install the pytest pyproject.toml pins (pip install -e .[dev])")

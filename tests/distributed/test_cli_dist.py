@@ -14,6 +14,7 @@ import pytest
 from tests.distributed.jobs import REPO, job_env
 
 EPOCHS = ["--model", "mlp", "--data", "digits", "--epochs", "6", "--batch-size", "64", "--lr", "0.1", "--no-progress"]
+TRAIN = [sys.executable, "-m", "tandem", "train", *EPOCHS, "--threads", "1"]
 
 
 def _accuracy(out: Path, name: str) -> float:
@@ -24,8 +25,8 @@ def _accuracy(out: Path, name: str) -> float:
 def single_process_accuracy(tmp_path_factory: pytest.TempPathFactory) -> float:
     """The same training in one process, on the whole batch: the reference of every data-parallel run."""
     out = tmp_path_factory.mktemp("single")
-    single = subprocess.run([sys.executable, "-m", "tandem", "train", *EPOCHS, "--threads", "1", "--out", str(out)],
-                            cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    single = subprocess.run([*TRAIN, "--out", str(out)], cwd=REPO, env=job_env(), capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
     assert single.returncode == 0, single.stderr
     return _accuracy(out, "history.json")
 
@@ -36,9 +37,8 @@ def single_process_accuracy(tmp_path_factory: pytest.TempPathFactory) -> float:
 def test_data_parallel_digits_matches_single_process(
     kind: str, compression: str | None, update_on: str, single_process_accuracy: float, tmp_path: Path
 ) -> None:
-    train = [sys.executable, "-m", "tandem", "train", *EPOCHS, "--threads", "1"]
     launch = [sys.executable, "-m", "tandem", "launch", "-n", "2", "-s", "2", *(["--p3"] if kind == "dist_p3" else []),
-              "--", *train, "--kvstore", kind, "--out", str(tmp_path / "dist"),
+              "--", *TRAIN, "--kvstore", kind, "--out", str(tmp_path / "dist"),
               "--update-on", update_on, *(["--gradient-compression", compression] if compression else [])]
     dist = subprocess.run(launch, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
     assert dist.returncode == 0, dist.stdout + dist.stderr

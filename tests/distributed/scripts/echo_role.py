@@ -25,6 +25,4 @@ if role == "worker" and rank == int(sys.argv[1]):
         time.sleep(0.05)
     sys.exit(3)
 if role == "server":
-    import time
-
     time.sleep(60)  # servers of this fake job never finish: the launcher must stop them
