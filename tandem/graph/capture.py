@@ -1,8 +1,9 @@
 """Capture: nn.Module + loss_fn + example batch -> TrainGraph, with PyTorch's own tracing.
 
-We use ``aot_export_module(..., trace_joint=True)``: it functionalizes the step (BatchNorm's
-running-stat updates become outputs), traces autograd's backward into aten ops, and records fake
-values (shape, dtype) on every node. Nothing here differentiates by hand.
+We use AOT autograd's joint export (``aot_export_module(..., trace_joint=True)``, traced once:
+tandem/graph/joint.py): it functionalizes the step (BatchNorm's running-stat updates become
+outputs), traces autograd's backward into aten ops, and records fake values (shape, dtype) on every
+node. Nothing here differentiates by hand.
 
 Library code asks "am I being traced?" through ``torch.compiler.is_compiling()`` and, when the
 answer is no, runs eager-only checks (``bool(mask.all())``) that no tracer can capture. We trace
@@ -26,6 +27,7 @@ from torch import nn
 
 from tandem.errors import CaptureError
 from tandem.graph.batch import BatchLayout
+from tandem.graph.joint import UNUSED_PARAMETER, export_joint
 from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
 
 LossFn = Callable[..., Any]
@@ -148,15 +150,13 @@ def _check_arguments(module: Any, loss_fn: Any, batch: Sequence[Any]) -> tuple[B
 
 
 def _export(wrapper: _LossModule, tensors: Sequence[torch.Tensor], unused: list[str]) -> tuple[Any, Any]:
-    from torch._functorch.aot_autograd import aot_export_module
-
     with _tracing(wrapper, tensors) as stack, _without_gradient(wrapper, unused):
         try:
-            return aot_export_module(wrapper, tuple(tensors), trace_joint=True, output_loss_index=0)
+            return export_joint(wrapper, tuple(tensors))
         except CaptureError:
             raise
         except AssertionError as error:
-            if "did not receive a gradient" in str(error) and not unused:
+            if UNUSED_PARAMETER in str(error) and not unused:
                 raise _UnusedParameter() from error
             raise _explain(error, stack) from error
         except Exception as error:  # name the user's line, the module and the op; keep the original
@@ -233,8 +233,21 @@ def _tracing(root: nn.Module, tensors: Sequence[torch.Tensor]) -> Iterator[list[
     """Everything a trace runs under: the compiling state, a fork of the RNG (tracing draws random
     numbers for dropout; the user's stream must not move), the module stack for error messages,
     and the marks of checkpoint regions."""
-    with _compiling(), _forked_rng(tensors), _module_stack(root) as stack:
+    with _compiling(), _forked_rng(tensors), _module_stack(root) as stack, _without_stack_traces():
         yield stack
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Iterator[None]:
+    """Skip recording a Python stack per traced node (``node.meta["stack_trace"]``): tandem reads none,
+    and extracting them costs about a tenth of a capture. Capture errors name the user's line from
+    the exception's own traceback."""
+    saved = fx.config.do_not_emit_stack_traces
+    fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx.config.do_not_emit_stack_traces = saved
 
 
 def _forked_rng(tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:

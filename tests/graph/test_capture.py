@@ -66,6 +66,48 @@ def test_graph_structure() -> None:
     assert all(MetaKey.SEGMENT not in n.meta or isinstance(n.meta[MetaKey.SEGMENT], int) for n in graph.op_nodes())
 
 
+@pytest.mark.parametrize("name", ["resnet", "gpt"])  # BatchNorm buffers updated; tied parameters
+def test_joint_export_is_aot_export_modules_graph(name: str) -> None:
+    """tandem's one-trace joint export returns what aot_export_module returns: the same signature,
+    output for output, and the same outputs on the same inputs."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    from tandem.graph import capture as capture_module
+    from tandem.graph.joint import export_joint
+
+    module, loss_fn, batch = zoo_case(name)
+    layout, tensors = capture_module._check_arguments(module, loss_fn, batch)
+    wrapper = capture_module._LossModule(module, loss_fn, layout)
+    with capture_module._tracing(wrapper, tensors):
+        ours = export_joint(wrapper, tuple(tensors))
+        theirs = aot_export_module(wrapper, tuple(tensors), trace_joint=True, output_loss_index=0)
+
+    def by_position(graph_module: torch.fx.GraphModule, signature: object) -> dict[str, object]:
+        nodes = list(graph_module.graph.nodes)
+        inputs = [n.name for n in nodes if n.op == "placeholder"]
+        outputs = [n.name for n in nodes[-1].args[0]]
+        backward = signature.backward_signature  # type: ignore[attr-defined]
+        return {
+            "parameters": [signature.inputs_to_parameters.get(n) for n in inputs],  # type: ignore[attr-defined]
+            "buffers": [signature.inputs_to_buffers.get(n) for n in inputs],  # type: ignore[attr-defined]
+            "user outputs": [outputs.index(n) for n in signature.user_outputs],  # type: ignore[attr-defined]
+            "mutated buffers": {outputs.index(n): b for n, b in signature.buffers_to_mutate.items()},  # type: ignore[attr-defined]
+            "gradients": {outputs.index(n): p for n, p in backward.gradients_to_parameters.items()},
+        }
+
+    assert by_position(*ours) == by_position(*theirs)
+    state = [*dict(wrapper.named_parameters(remove_duplicate=False)).values(),
+             *dict(wrapper.named_buffers(remove_duplicate=False)).values()]
+    values = [t.detach().clone() for t in (*state, *tensors)]
+    results = []
+    for graph_module, _ in (ours, theirs):
+        torch.manual_seed(0)
+        results.append(graph_module(*[v.clone() for v in values]))
+    assert len(results[0]) == len(results[1])
+    for position, (mine, expected) in enumerate(zip(*results)):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=0, msg=f"output {position}")
+
+
 def test_tied_parameter_appears_once_under_first_name() -> None:
     module, loss_fn, batch = zoo_case("lstm_lm")
     names = [n for n, _ in module.named_parameters()]

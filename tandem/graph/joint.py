@@ -1,0 +1,93 @@
+"""One joint (forward + backward) trace of a module: ``aot_export_module(..., trace_joint=True)``
+without its second trace.
+
+``aot_export_module`` traces the joint graph once (functionalized, on fake tensors, autograd's
+backward included), then traces that graph a second time with ``make_fx`` on the caller's real
+tensors, only to flatten its calling convention: pytrees ``(primals, tangents)`` in, ``(forward
+outputs, one gradient or None per input)`` out. The second trace runs every op on real data and
+builds a fake-tensor mode per node for its metadata: about 40% of capturing lstm_lm. Here the
+flattening is a graph edit and the signature comes from the same ``create_graph_signature``, so
+the result is the graph ``aot_export_module`` returns, node for node.
+
+Private torch APIs: torch is pinned to one version (pyproject.toml), and
+tests/graph/test_capture.py compares this export with ``aot_export_module``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+UNUSED_PARAMETER = "did not receive a gradient"  # the text aot_export_module raises for such a parameter
+
+
+def export_joint(module: nn.Module, args: Sequence[torch.Tensor], loss_index: int = 0) -> tuple[fx.GraphModule, Any]:
+    """The joint graph of ``module(*args)`` (which returns a tuple whose ``loss_index`` is a scalar
+    loss) and its ``GraphSignature``, as ``aot_export_module(module, args, trace_joint=True,
+    output_loss_index=loss_index)`` returns them.
+
+    Raises AssertionError naming ``UNUSED_PARAMETER`` when a trainable parameter gets no gradient.
+    """
+    from torch._functorch._aot_autograd.graph_capture_wrappers import create_functional_call
+    from torch._functorch._aot_autograd.input_output_analysis import create_graph_signature
+    from torch._functorch.aot_autograd import _aot_export_function
+
+    named_parameters = dict(module.named_parameters(remove_duplicate=False))
+    named_buffers = dict(module.named_buffers(remove_duplicate=False))
+    state, state_spec = pytree.tree_flatten({**named_parameters, **named_buffers})
+    functional_call = create_functional_call(module, state_spec, len(state), store_orig_mod=True)
+    output_counts: list[int] = []
+
+    def forward(*arguments: Any) -> Any:
+        outputs = functional_call(*arguments)
+        loss = outputs[loss_index]
+        if not loss.requires_grad:
+            raise RuntimeError(f"the loss (output {loss_index}) does not require gradients: no parameter reaches it")
+        output_counts.append(len(outputs))
+        return outputs
+
+    inputs = (*state, *args)
+    joint, metadata, in_spec, out_spec = _aot_export_function(
+        forward, inputs, num_params_buffers=len(state), no_tangents=True, trace_joint=True
+    )
+    assert isinstance(joint, fx.GraphModule) and out_spec is not None  # what a joint export returns
+    _flatten_calling_convention(joint, inputs)
+    signature = create_graph_signature(
+        joint, metadata, in_spec, out_spec,
+        user_args_flat=list(args), params_and_buffers_flat=list(state),
+        param_names=list(named_parameters), buffer_names=list(named_buffers),
+        trace_joint=True, num_user_fw_outs=output_counts[0], loss_index=loss_index,
+    )
+    return joint, signature
+
+
+def _flatten_calling_convention(joint: fx.GraphModule, inputs: Sequence[Any]) -> None:
+    """Make ``joint`` take the inputs flat and return its forward outputs, then the gradients of
+    the inputs that require grad: what ``aot_export_module``'s second trace produces."""
+    graph = joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    tangents = placeholders[len(inputs):]  # the loss's tangent is ones_like inside the graph
+    if any(t.users for t in tangents):
+        raise AssertionError(f"the joint graph reads its tangents {[t.name for t in tangents if t.users]}")
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    flat = list(output.args[0])
+    forward_outputs, gradients = flat[: len(flat) - len(inputs)], flat[len(flat) - len(inputs):]
+    kept = []
+    for position, (value, gradient) in enumerate(zip(inputs, gradients)):
+        requires_grad = isinstance(value, torch.Tensor) and value.requires_grad
+        if requires_grad and gradient is None:
+            raise AssertionError(f"input {position} is a parameter that {UNUSED_PARAMETER}")
+        if not requires_grad and gradient is not None:
+            raise AssertionError(f"input {position} does not require grad but has a gradient")
+        if requires_grad:
+            kept.append(gradient)
+    output.args = (tuple(forward_outputs + kept),)
+    for tangent in tangents:
+        graph.erase_node(tangent)
+    graph._codegen = fx.graph.CodeGen()  # plain positional inputs and a tuple out, no pytrees
+    joint.recompile()
