@@ -32,6 +32,7 @@ class ForwardView:
     free: set[fx.Node] = field(default_factory=set)  # values held all step anyway
     keys: dict[fx.Node, list[StorageKey]] = field(default_factory=dict)
     key_bytes: dict[StorageKey, int] = field(default_factory=dict)
+    _forward_inputs: dict[fx.Node, tuple[fx.Node, ...]] = field(default_factory=dict)  # memo: selection asks often
 
     def __post_init__(self) -> None:
         graph = self.graph
@@ -53,9 +54,13 @@ class ForwardView:
     def is_backward(self, node: fx.Node) -> bool:
         return node.op == "call_function" and self.graph.phase_of(node) == Phase.BACKWARD
 
-    def forward_inputs(self, node: fx.Node) -> list[fx.Node]:
+    def forward_inputs(self, node: fx.Node) -> tuple[fx.Node, ...]:
         """Inputs that are forward op values a recompute would need (free ones excluded)."""
-        return [a for a in cost.recompute_inputs(node) if a.op == "call_function" and a not in self.free]
+        inputs = self._forward_inputs.get(node)
+        if inputs is None:
+            inputs = tuple(a for a in cost.recompute_inputs(node) if a.op == "call_function" and a not in self.free)
+            self._forward_inputs[node] = inputs
+        return inputs
 
     def is_replayable_dropout(self, node: fx.Node) -> bool:
         """A dropout output that a recompute can replay from a mask the backward keeps anyway."""

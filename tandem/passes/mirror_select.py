@@ -113,11 +113,12 @@ def memory_aware(view: ForwardView) -> set[fx.Node]:
     changed = True
     while changed:
         changed = False
+        held_bytes = view.bytes_of(view.held(mirrored))
         for group in _frontier_groups(view, mirrored):
-            before = view.bytes_of(view.held(mirrored))
             trial = mirrored - group
-            if view.bytes_of(view.held(trial)) <= before:  # released >= held: store the group
-                mirrored, changed = trial, True
+            trial_bytes = view.bytes_of(view.held(trial))
+            if trial_bytes <= held_bytes:  # released >= held: store the group
+                mirrored, held_bytes, changed = trial, trial_bytes, True
     return prune(view, mirrored)
 
 
