@@ -5,9 +5,11 @@ without its second trace.
 backward included), then traces that graph a second time with ``make_fx`` on the caller's real
 tensors, only to flatten its calling convention: pytrees ``(primals, tangents)`` in, ``(forward
 outputs, one gradient or None per input)`` out. The second trace runs every op on real data and
-builds a fake-tensor mode per node for its metadata: about 40% of capturing lstm_lm. Here the
-flattening is a graph edit and the signature comes from the same ``create_graph_signature``, so
-the result is the graph ``aot_export_module`` returns, node for node.
+builds a fake-tensor mode per node for its metadata: about half of the export's time. Here the
+flattening is a graph edit and the signature comes from the same ``create_graph_signature``: the
+same computation and signature. (The retrace also adds ``detach`` nodes and unused ``getitem``s,
+which capture drops anyway, and reads a tied parameter through its last name, where this graph
+reads each name's own input.)
 
 Private torch APIs: torch is pinned to one version (pyproject.toml), and
 tests/graph/test_capture.py compares this export with ``aot_export_module``'s.
