@@ -124,6 +124,13 @@ def test_unused_parameter_has_no_gradient_like_eager() -> None:
     assert all(p.requires_grad for p in module.parameters()), "capture restores requires_grad"
 
 
+def test_unused_batch_tensor_that_requires_grad_is_named() -> None:
+    module = nn.Linear(4, 2)
+    x, y, extra = torch.randn(3, 4), torch.randint(0, 2, (3,)), torch.randn(3, requires_grad=True)
+    with pytest.raises(CaptureError, match="batch tensor 2 requires grad but the loss does not depend on it"):
+        tandem.compile(module, lambda m, x, y, extra: F.cross_entropy(m(x), y), x, y, extra)
+
+
 def test_memory_report_is_measured() -> None:
     module, loss_fn, batch = zoo_case("resnet", torch.float32, batch_size=8)
     step = tandem.compile(module, loss_fn, *batch)
