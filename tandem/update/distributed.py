@@ -210,29 +210,34 @@ class DistributedUpdate(Update):
             names = list(self._pending)
         else:
             return
+        self._apply([name for name in names if name in self._pending])
+
+    def _apply(self, names: list[str]) -> None:
+        """Wait for the replies of ``names``, then push one engine op that writes them all (one fused
+        update: the segment that reads them waits for every one of them anyway)."""
+        if not names:
+            return
         for name in names:
-            if name in self._pending:
-                self._apply(name)
+            handle = self._pending.pop(name)
+            start = time.perf_counter()
+            # bounded by TANDEM_PS_WAIT_TIMEOUT; a dead peer is reported sooner by heartbeats. Not driven:
+            # this thread must get back to feeding the engine, and the other parameters' replies are
+            # better received meanwhile by the IO thread (driving made p3 steps ~10 % slower: docs/distributed.md)
+            handle.wait(drive=False)
+            waited = time.perf_counter() - start
+            if trace.enabled() and waited > 0:
+                trace.record(f"wait {name}", trace.now_us() - waited * 1e6, trace.now_us(), category="comm")
+        label = f"apply {names[0]}" + (f" + {len(names) - 1} more" if len(names) > 1 else "")
+        self.write(names, partial(self._write, names), label)
 
-    def _apply(self, name: str) -> None:
-        handle = self._pending.pop(name)
-        start = time.perf_counter()
-        # bounded by TANDEM_PS_WAIT_TIMEOUT; a dead peer is reported sooner by heartbeats. Not driven:
-        # this thread must get back to feeding the engine, and the other parameters' replies are
-        # better received meanwhile by the IO thread (driving made p3 steps ~10 % slower: docs/distributed.md)
-        handle.wait(drive=False)
-        waited = time.perf_counter() - start
-        if trace.enabled() and waited > 0:
-            trace.record(f"wait {name}", trace.now_us() - waited * 1e6, trace.now_us(), category="comm")
-        self.write([name], partial(self._write, name), f"apply {name}")
-
-    def _write(self, name: str) -> None:
-        """Engine op: the reply becomes the parameter (after this step's readers of it finished)."""
+    def _write(self, names: list[str]) -> None:
+        """Engine op: the replies become the parameters (after this step's readers of them finished)."""
         with torch.no_grad():
             if self.server_optimizer is not None:
-                self.params[name].copy_(self._received[name])
+                for name in names:
+                    self.params[name].copy_(self._received[name])
             else:
-                self.apply([name], {name: self._received[name] / self.num_workers})
+                self.apply(names, {name: self._received[name] / self.num_workers for name in names})
 
     def after_backward(self, result: StepResult) -> None:
         """After a step: baseline pushes everything, then pulls everything; the others already sent (or held)."""
@@ -270,8 +275,7 @@ class DistributedUpdate(Update):
 
     def flush(self) -> None:
         """Apply every outstanding reply and wait until the parameters are written (before eval/save)."""
-        for name in list(self._pending):
-            self._apply(name)
+        self._apply(list(self._pending))
         self.wait_for_writes()
 
     def close(self) -> None:

@@ -239,3 +239,39 @@ def test_a_round_the_job_failed_during_issues_nothing() -> None:
     scheduler._state.waiting[0].append(Operation(0, "w", torch.ones(4), torch.ones(4), 7, 0, 2, handle))
     scheduler._round(torch.tensor([1, -1, 1, 0]))  # issuing would fail: there is no data group
     assert scheduler._state.issued == 0 and not scheduler._ready
+
+
+@pytest.mark.parametrize("kind", [None, "fp16", "2bit:0.5"])
+def test_small_slices_requested_together_share_collectives(kind: str | None) -> None:
+    """Keys pushed in one batched() block reach the scheduler together; their slices, queued one behind
+    the other, share collectives while they fit in one slice, and every sum still lands in its key."""
+    sizes, slice_size = [1, 13, 100, 7, 0, 50, 300], 120  # 300: three slices, the last fused with others
+
+    def work(kv: CollectiveKVStore) -> tuple[list[list[torch.Tensor]], int]:
+        if kind is not None:
+            kv.set_gradient_compression(kind)
+        keys = [f"k{i}" for i in range(len(sizes))]
+        kv.init(keys, [torch.zeros(size) for size in sizes])
+        steps = []
+        before = kv.collectives
+        for step in range(3):
+            out = [torch.empty(size) for size in sizes]
+            with kv.batched():
+                handles = [kv.pushpull(keys[i], _value(sizes[i], kv.rank, step) / 64, out=out[i], priority=-i)
+                           for i in reversed(range(len(sizes)))]  # fmt: skip
+            for handle in handles:
+                handle.wait(timeout=30)
+            steps.append(out)
+        return steps, kv.collectives - before
+
+    (first, collectives), (second, _) = _each_worker(2, work, slice_size=slice_size, water_mark=10)
+    # 8 slices a step; by priority: k0 k1 k2 (114 elements) | k3 k5 (57) | k6[0:120] | k6[120:240] | k6[240:300]
+    assert collectives == 3 * 5, collectives
+    for step, (mine, theirs) in enumerate(zip(first, second)):
+        for size, one, other in zip(sizes, mine, theirs):
+            assert torch.equal(one, other), "every worker gets the same sum"
+            exact = (_value(size, 0, step) + _value(size, 1, step)) / 64
+            if kind is None:
+                assert torch.equal(one, exact), (size, step)
+            elif kind == "fp16":
+                assert torch.allclose(one, exact, rtol=1e-3, atol=1e-3), (size, step)

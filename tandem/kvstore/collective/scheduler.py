@@ -10,9 +10,11 @@ of its issued slices completed. The result is the same everywhere: an operation 
 worker is *agreed* and its slices join the ready queue (highest priority first, FIFO on ties, never
 reordered within a key: ``LanePriorityQueue``); a slice completed everywhere frees its credit. Then
 every worker issues, from the same queue under the same credit, the same slices
-(``all_reduce(slice, async_op=True)`` on the data group), at most ``water_mark`` slices in flight
-(always one where none is): the backlog stays in the queue, where a later higher-priority slice
-overtakes it (P3; ByteScheduler's credit).
+(``all_reduce(slice, async_op=True)`` on the data group), at most ``water_mark`` collectives in
+flight (always one where none is): the backlog stays in the queue, where a later higher-priority
+slice overtakes it (P3; ByteScheduler's credit). Slices queued one behind the other share one
+collective while together they fit in one slice (``_next_unit``): a small model's many small
+gradients cost a few collectives per step, not one each.
 
 A worker starts a round when it has something new to say: an operation not yet agreed, or a slice
 completed since the last round while slices wait. Every other worker eventually has the same to say
@@ -30,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -83,10 +86,10 @@ class _State:
     submitted: list[int] = field(default_factory=list)  # per key: operations submitted here
     agreed: list[int] = field(default_factory=list)  # per key: operations submitted everywhere
     waiting: list[deque[Operation]] = field(default_factory=list)  # per key: submitted here, not yet agreed
-    completed: int = 0  # slices completed here
-    agreed_completed: int = 0  # slices completed everywhere
-    issued: int = 0  # slices issued (the same count everywhere)
-    credit: int = 1  # slices allowed in flight: the water mark of the last agreed operation
+    completed: int = 0  # collectives completed here (a collective carries one slice or several fused)
+    agreed_completed: int = 0  # collectives completed everywhere
+    issued: int = 0  # collectives issued (the same count everywhere)
+    credit: int = 1  # collectives allowed in flight: the water mark of the last agreed operation
 
 
 class Scheduler:
@@ -121,21 +124,24 @@ class Scheduler:
             state.waiting.append(deque())
             return len(state.submitted) - 1
 
-    def submit(self, operation: Operation) -> None:
-        """Queue ``operation`` for agreement; never blocks. Its handle completes once every slice is summed."""
+    def submit(self, operations: list[Operation]) -> None:
+        """Queue ``operations`` for agreement, together (one round sees them all); never blocks. Each
+        handle completes once every slice of its operations is summed."""
         with self._cond:
             if self._failed is not None:
                 raise self._failed
             if self._stopping:
                 raise KVStoreError("this kvstore is closing; no new operations")
             state = self._state
-            state.submitted[operation.index] += 1
-            state.waiting[operation.index].append(operation)
-            self._live.add(operation)
+            for operation in operations:
+                state.submitted[operation.index] += 1
+                state.waiting[operation.index].append(operation)
+                self._live.add(operation)
             self._cond.notify_all()
-        operation.handle.add_done_callback(lambda handle: self._forget(operation))
+        for operation in operations:
+            operation.handle.add_done_callback(partial(self._forget, operation))
 
-    def _forget(self, operation: Operation) -> None:
+    def _forget(self, operation: Operation, handle: Handle) -> None:
         with self._cond:
             self._live.discard(operation)
 
@@ -186,36 +192,47 @@ class Scheduler:
             issue = []
             while self._ready and (state.issued - state.agreed_completed < state.credit
                                    or state.issued == state.agreed_completed):  # fmt: skip
-                issue.append(self._ready.pop())
+                issue.append(_next_unit(self._ready))
                 state.issued += 1
         if trace.enabled():
             trace.record("agree", start, trace.now_us(), "comm", {"issue": len(issue)}, self._row)
-        for part in issue:
-            self._issue(part)
+        for unit in issue:
+            self._issue(unit)
 
-    def _issue(self, part: _Slice) -> None:
+    def _issue(self, unit: list[_Slice]) -> None:
         start = trace.now_us()
-        operation, begin, end = part.operation, part.start, part.stop
-        if operation.compression is not None:
-            total = add_to_residual(self._residuals, operation.index, operation.value, begin, end)
-            sent = encode_into_residual(operation.compression, total)
+        first = unit[0]
+        compression = first.operation.compression
+        finish: Callable[[], None]
+        if compression is not None:
+            encoded = [encode_into_residual(compression, add_to_residual(self._residuals, part.operation.index,
+                                                                          part.operation.value, part.start, part.stop))
+                       for part in unit]  # fmt: skip
+            sent = encoded[0] if len(encoded) == 1 else torch.cat(encoded)
             gathered = [torch.empty_like(sent) for _ in range(self.size)]
             work = self.data.allgather([gathered], [sent])
-            finish: Callable[[], None] = _Decode(operation, begin, end, gathered)
-        else:
-            target = operation.target[begin:end]
+            finish = _Decode(unit, [part.numel() for part in encoded], gathered)
+        elif len(unit) == 1:
+            operation = first.operation
+            target = operation.target[first.start : first.stop]
             if not _same_memory(operation.target, operation.value):  # pushpull without out: sums in place
-                target.copy_(operation.value[begin:end])
+                target.copy_(operation.value[first.start : first.stop])
             work = self.data.allreduce([target])
             finish = _nothing
-        done = _Done(self, operation.handle, finish)
-        if operation.target.is_cuda:
+        else:
+            fused = torch.cat([part.operation.value[part.start : part.stop] for part in unit])  # copied: summed in place
+            work = self.data.allreduce([fused])
+            finish = _Unfuse(unit, fused)
+        done = _Done(self, [part.operation.handle for part in unit], finish)
+        if first.operation.target.is_cuda:
             self._complete_cuda(work, done)
         else:
             work.get_future().add_done_callback(done)
         if trace.enabled():
-            trace.record(f"issue {operation.key}[{part.number}]", start, trace.now_us(), "comm",
-                         {"key": str(operation.key), "slice": part.number, "priority": operation.priority}, self._row)  # fmt: skip
+            name = f"issue {first.operation.key}[{first.number}]" + (f" + {len(unit) - 1} fused" if len(unit) > 1 else "")
+            trace.record(name, start, trace.now_us(), "comm",
+                         {"key": str(first.operation.key), "slice": first.number, "fused": len(unit),
+                          "priority": first.operation.priority}, self._row)  # fmt: skip
 
     def _complete_cuda(self, work: Any, done: _Done) -> None:
         """A CUDA slice completes only once its collective has run on the GPU (UNTESTED: no GPU here).
@@ -244,6 +261,12 @@ class Scheduler:
                 self.broken(error)
                 continue
             done(future)
+
+    @property
+    def issued(self) -> int:
+        """Data collectives issued so far."""
+        with self._cond:
+            return self._state.issued
 
     def _completed(self) -> None:
         with self._cond:
@@ -305,31 +328,72 @@ def _nothing() -> None:
     pass
 
 
-class _Decode:
-    """A compressed slice's completion: the sum, in rank order, of every worker's decoded values."""
+def _next_unit(ready: LanePriorityQueue[_Slice]) -> list[_Slice]:
+    """The next collective: the highest-priority ready slice, fused with the slices queued behind it
+    while they fit in its operation's slice size. Small gradients then share one all-reduce (as
+    Horovod's tensor fusion and DDP's buckets do), since a collective's fixed cost dwarfs a small
+    tensor's wire time; a unit is still at most one slice, so P3's preemption grain is kept. The
+    queue is the same on every worker, so the units are too."""
+    first = ready.pop()
+    unit, numel = [first], first.stop - first.start
+    while ready:
+        following = ready.peek()
+        size = following.stop - following.start
+        if numel + size > first.operation.slice_size or not _fusible(first.operation, following.operation):
+            break
+        unit.append(ready.pop())
+        numel += size
+    return unit
 
-    __slots__ = ("operation", "start", "stop", "gathered")
 
-    def __init__(self, operation: Operation, start: int, stop: int, gathered: list[torch.Tensor]) -> None:
-        self.operation, self.start, self.stop, self.gathered = operation, start, stop, gathered
+def _fusible(first: Operation, other: Operation) -> bool:
+    """Slices of the two operations may share one collective: the same encoding, dtype and device."""
+    return (first.compression is other.compression and first.value.dtype == other.value.dtype
+            and first.target.device == other.target.device)  # fmt: skip
+
+
+class _Unfuse:
+    """A fused unit's completion: each slice's piece of the summed buffer, into its operation's target."""
+
+    __slots__ = ("unit", "fused")
+
+    def __init__(self, unit: list[_Slice], fused: torch.Tensor) -> None:
+        self.unit, self.fused = unit, fused
 
     def __call__(self) -> None:
-        operation, numel = self.operation, self.stop - self.start
-        assert operation.compression is not None
-        target = operation.target[self.start : self.stop]
-        dtype = operation.target.dtype
-        target.copy_(decode_tensor(operation.compression, self.gathered[0], dtype, numel))
-        for data in self.gathered[1:]:
-            target.add_(decode_tensor(operation.compression, data, dtype, numel))
+        offset = 0
+        for part in self.unit:
+            size = part.stop - part.start
+            part.operation.target[part.start : part.stop].copy_(self.fused[offset : offset + size])
+            offset += size
+
+
+class _Decode:
+    """A compressed unit's completion: per slice, the sum in rank order of every worker's decoded values."""
+
+    __slots__ = ("unit", "sizes", "gathered")
+
+    def __init__(self, unit: list[_Slice], sizes: list[int], gathered: list[torch.Tensor]) -> None:
+        self.unit, self.sizes, self.gathered = unit, sizes, gathered  # sizes: each slice's encoded length
+
+    def __call__(self) -> None:
+        pieces = [data.split(self.sizes) for data in self.gathered]  # per worker, per slice
+        for number, part in enumerate(self.unit):
+            operation, numel = part.operation, part.stop - part.start
+            assert operation.compression is not None
+            target, dtype = operation.target[part.start : part.stop], operation.target.dtype
+            target.copy_(decode_tensor(operation.compression, pieces[0][number], dtype, numel))
+            for worker in pieces[1:]:
+                target.add_(decode_tensor(operation.compression, worker[number], dtype, numel))
 
 
 class _Done:
-    """A slice's future callback (on the group's thread): finish the slice, count it, complete a part."""
+    """A unit's future callback (on the group's thread): finish the unit, count it, complete each slice's part."""
 
-    __slots__ = ("scheduler", "handle", "finish")
+    __slots__ = ("scheduler", "handles", "finish")
 
-    def __init__(self, scheduler: Scheduler, handle: Handle, finish: Callable[[], None]) -> None:
-        self.scheduler, self.handle, self.finish = scheduler, handle, finish
+    def __init__(self, scheduler: Scheduler, handles: list[Handle], finish: Callable[[], None]) -> None:
+        self.scheduler, self.handles, self.finish = scheduler, handles, finish
 
     def __call__(self, future: Any) -> None:
         try:
@@ -339,4 +403,5 @@ class _Done:
             self.scheduler.broken(error)
             return
         self.scheduler._completed()
-        self.handle.part_done()
+        for handle in self.handles:
+            handle.part_done()

@@ -23,7 +23,8 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -78,6 +79,7 @@ class CollectiveKVStore(KVStore):
         self._keys: dict[Key, tuple[int, tuple[int, ...], torch.dtype]] = {}  # key -> index, shape, dtype
         self._latest: dict[Key, torch.Tensor] = {}  # key -> its last sum (flat), what pull returns
         self._last: dict[Key, Handle] = {}  # key -> the handle of its last push
+        self._held: list[Operation] | None = None  # inside batched(): operations not yet submitted
         self._calls = 0  # collective calls through the rendezvous store: names each one's keys
         self._compression: GradientCompression | None = None
         self.slice_size, self.water_mark = start_slice_size(p3), p3.water_mark
@@ -101,6 +103,11 @@ class CollectiveKVStore(KVStore):
     def rounds(self) -> int:
         """Agreement rounds run so far (one small all-reduce each; see ``scheduler.py``)."""
         return self._scheduler.rounds if self._scheduler is not None else 0
+
+    @property
+    def collectives(self) -> int:
+        """Data collectives issued so far (each carries one slice, or several small ones fused)."""
+        return self._scheduler.issued if self._scheduler is not None else 0
 
     # -- the tuner -------------------------------------------------------------------------------
     def _apply(self, config: Config) -> None:
@@ -209,9 +216,28 @@ class CollectiveKVStore(KVStore):
         for operation in operations:
             operation.handle = handle
             self._last[operation.key] = handle
-            if operation.value.numel():
-                self._scheduler.submit(operation)
+        operations = [operation for operation in operations if operation.value.numel()]
+        if self._held is not None:
+            self._held += operations
+        elif operations:
+            self._scheduler.submit(operations)
         return handle
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """The operations of the requests made inside reach the scheduler together when it ends: one
+        agreement round covers them all, and their small slices share collectives."""
+        if self._held is not None:  # nested: the outer block submits
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held:
+                assert self._scheduler is not None  # operations exist only once a key was initialised
+                self._scheduler.submit(held)
 
     def pull(self, keys: Key | Sequence[Key], out: Any, priority: int = 0) -> Handle:
         """The keys' last sums (their init values before any push), once the pushes before it are done.
