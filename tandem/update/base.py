@@ -109,6 +109,9 @@ class OptimizerApply:
 
             clip_global_norm([grads[n] for n in names], self.clip_grad_norm)
         if isinstance(self.optimizer, torch.optim.Optimizer):
+            # step() updates every parameter holding a .grad: clear those of earlier calls (a distributed
+            # update applies one segment's parameters at a time), or they would be stepped again
+            self.optimizer.zero_grad(set_to_none=True)
             for name in names:
                 self.params[name].grad = grads[name]
             self.optimizer.step()

@@ -8,13 +8,13 @@ Three modes, selectable for comparison (``Trainer(..., communication=...)``):
   - ``p3``: the same on the ``dist_p3`` (or ``collective``) store: slices, priority ``-layer_index`` (layers nearest the
     input first), a cap on slices in flight. With ``slice_size="auto"`` the store's tuner may decide
     to hold the gradients until backward ends (``send_timing``), where overlap costs more CPU than it
-    saves wire time: ``after``, still sent by priority and applied per parameter by the next forward,
+    saves wire time: ``after``, still sent by priority and applied per segment by the next forward,
     or ``serial``, one pushpull of them all (in forward order, so by priority) that the step waits for.
 In ``overlap`` and ``p3`` the next forward starts each segment as soon as the parameters *it* reads
 are back: before pushing a forward segment, the step's ``before_segment`` hook waits for those
-parameters' replies and pushes one engine op per parameter that writes it (its engine var; a tied
-parameter goes by its first name). The engine runs that write before the forward segments that read
-the parameter, while earlier segments already run; segments whose parameters are not back yet are
+parameters' replies and pushes one engine op that writes them all (one fused optimizer update; it
+writes each parameter's engine var, a tied parameter going by its first name). The engine runs that
+write before the forward segments that read the parameters, while earlier segments already run; segments whose parameters are not back yet are
 not pushed yet. Writes are only pushed from the next step's hooks, after the executor waited for
 every segment of this step, so no backward segment (which reads forward-made views of the weights)
 sees a new value.
@@ -218,15 +218,16 @@ class DistributedUpdate(Update):
         if not names:
             return
         for name in names:
-            handle = self._pending.pop(name)
             start = time.perf_counter()
             # bounded by TANDEM_PS_WAIT_TIMEOUT; a dead peer is reported sooner by heartbeats. Not driven:
             # this thread must get back to feeding the engine, and the other parameters' replies are
             # better received meanwhile by the IO thread (driving made p3 steps ~10 % slower: docs/distributed.md)
-            handle.wait(drive=False)
+            self._pending[name].wait(drive=False)
             waited = time.perf_counter() - start
             if trace.enabled() and waited > 0:
                 trace.record(f"wait {name}", trace.now_us() - waited * 1e6, trace.now_us(), category="comm")
+        for name in names:  # only once all arrived: a failed wait leaves every reply pending
+            del self._pending[name]
         label = f"apply {names[0]}" + (f" + {len(names) - 1} more" if len(names) > 1 else "")
         self.write(names, partial(self._write, names), label)
 

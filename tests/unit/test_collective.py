@@ -245,7 +245,7 @@ def test_a_round_the_job_failed_during_issues_nothing() -> None:
 def test_small_slices_requested_together_share_collectives(kind: str | None) -> None:
     """Keys pushed in one batched() block reach the scheduler together; their slices, queued one behind
     the other, share collectives while they fit in one slice, and every sum still lands in its key."""
-    sizes, slice_size = [1, 13, 100, 7, 0, 50, 300], 120  # 300: three slices, the last fused with others
+    sizes, slice_size = [1, 13, 100, 7, 0, 50, 300], 120  # 300: three slices, each its own collective
 
     def work(kv: CollectiveKVStore) -> tuple[list[list[torch.Tensor]], int]:
         if kind is not None:
@@ -275,3 +275,21 @@ def test_small_slices_requested_together_share_collectives(kind: str | None) -> 
                 assert torch.equal(one, exact), (size, step)
             elif kind == "fp16":
                 assert torch.allclose(one, exact, rtol=1e-3, atol=1e-3), (size, step)
+
+
+def test_requests_of_a_batched_block_fail_with_the_store_and_waits_inside_it_are_refused() -> None:
+    def work(kv: CollectiveKVStore) -> tuple[str, str]:
+        kv.init("w", torch.zeros(4))
+        with kv.batched():
+            with pytest.raises(KVStoreError) as inside:
+                kv.barrier()  # would wait for the pushpull below, which leaves only at the block's end
+        assert kv._scheduler is not None
+        kv._scheduler.stop(timeout=5)  # the store is closing: the block's submission is refused
+        with pytest.raises(KVStoreError), kv.batched():
+            handle = kv.pushpull("w", torch.ones(4))
+        with pytest.raises(KVStoreError) as failed:
+            handle.wait(timeout=5)  # failed with the refusal, not left pending
+        return str(inside.value), str(failed.value)
+
+    inside, failed = _each_worker(1, work)[0]
+    assert "inside kv.batched()" in inside and "closing" in failed

@@ -219,3 +219,15 @@ def test_update_names_bad_states() -> None:
 def test_empty_update_is_noop() -> None:
     for optimizer in (SGD(lr=0.1, momentum=0.9), AdamW(), LAMB()):
         optimizer.update([], [], [])
+
+
+def test_a_torch_optimizer_applied_a_few_parameters_at_a_time_steps_each_once() -> None:
+    """A distributed update applies one segment's parameters per call: earlier calls' gradients must
+    not be stepped again by a later call's optimizer.step()."""
+    from tandem.update.base import OptimizerApply
+
+    params = {"a": torch.nn.Parameter(torch.zeros(3)), "b": torch.nn.Parameter(torch.zeros(2))}
+    apply = OptimizerApply(params, torch.optim.SGD(params.values(), lr=1.0))
+    apply(["a"], {"a": torch.ones(3)})
+    apply(["b"], {"b": torch.ones(2)})
+    assert torch.equal(params["a"].detach(), -torch.ones(3)) and torch.equal(params["b"].detach(), -torch.ones(2))

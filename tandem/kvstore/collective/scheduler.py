@@ -223,7 +223,7 @@ class Scheduler:
             fused = torch.cat([part.operation.value[part.start : part.stop] for part in unit])  # copied: summed in place
             work = self.data.allreduce([fused])
             finish = _Unfuse(unit, fused)
-        done = _Done(self, [part.operation.handle for part in unit], finish)
+        done = _Done(self, [part.operation.handle for part in unit], finish, first.operation.target.is_cuda)
         if first.operation.target.is_cuda:
             self._complete_cuda(work, done)
         else:
@@ -390,15 +390,17 @@ class _Decode:
 class _Done:
     """A unit's future callback (on the group's thread): finish the unit, count it, complete each slice's part."""
 
-    __slots__ = ("scheduler", "handles", "finish")
+    __slots__ = ("scheduler", "handles", "finish", "cuda")
 
-    def __init__(self, scheduler: Scheduler, handles: list[Handle], finish: Callable[[], None]) -> None:
-        self.scheduler, self.handles, self.finish = scheduler, handles, finish
+    def __init__(self, scheduler: Scheduler, handles: list[Handle], finish: Callable[[], None], cuda: bool) -> None:
+        self.scheduler, self.handles, self.finish, self.cuda = scheduler, handles, finish, cuda
 
     def __call__(self, future: Any) -> None:
         try:
             future.value()  # raises the collective's error
             self.finish()
+            if self.cuda:  # finish queued copies (unfuse, decode): they land before anyone reads the sum
+                torch.cuda.current_stream().synchronize()
         except BaseException as error:  # noqa: BLE001 - reported to the store, which names the cause
             self.scheduler.broken(error)
             return

@@ -2,7 +2,8 @@
 
 A push or pushpull of a key is an all-reduce (sum over workers) of its value, cut into slices of
 ``slice_size`` elements, issued by the scheduler (``scheduler.py``) in priority order with at most
-``water_mark`` slices in flight, the same slices in the same order on every worker. What a
+``water_mark`` collectives in flight (each one slice, or small slices fused up to one slice's
+size), the same collectives in the same order on every worker. What a
 dist_sync store without a server-side optimizer stores, this one computes: the sum of the round's
 pushes, which ``pushpull`` writes into ``out`` and ``pull`` returns. Optimizers run on the workers
 (the Trainer applies each parameter's update to the summed gradient on every worker, so the
@@ -226,7 +227,9 @@ class CollectiveKVStore(KVStore):
     @contextmanager
     def batched(self) -> Iterator[None]:
         """The operations of the requests made inside reach the scheduler together when it ends: one
-        agreement round covers them all, and their small slices share collectives."""
+        agreement round covers them all, and their small slices share collectives. From the thread that
+        drives the store; ``init``, ``barrier`` and ``close`` inside the block raise (they would wait
+        for requests that have not left)."""
         if self._held is not None:  # nested: the outer block submits
             yield
             return
@@ -237,7 +240,12 @@ class CollectiveKVStore(KVStore):
             held, self._held = self._held, None
             if held:
                 assert self._scheduler is not None  # operations exist only once a key was initialised
-                self._scheduler.submit(held)
+                try:
+                    self._scheduler.submit(held)
+                except BaseException as error:  # their handles were given out: they fail, not hang
+                    for operation in held:
+                        operation.handle.fail(error)
+                    raise
 
     def pull(self, keys: Key | Sequence[Key], out: Any, priority: int = 0) -> Handle:
         """The keys' last sums (their init values before any push), once the pushes before it are done.
@@ -277,6 +285,9 @@ class CollectiveKVStore(KVStore):
         self.gather("barrier", "")
 
     def _settle(self) -> None:
+        if self._held is not None:
+            raise KVStoreError("init, barrier and close wait for this worker's requests, but requests made inside "
+                               "kv.batched() leave only when the block ends: call them after it")  # fmt: skip
         for handle in list(self._last.values()):
             handle.wait()
 
