@@ -10,7 +10,7 @@ Modes (``Trainer(kvstore=..., communication=...)``):
 - p3-auto:  p3 with ``slice_size="auto"``: the tuner picks slicing, water mark and send timing in
             the warm-up (``AUTO_WARMUP_STEPS``), before the timed runs;
 - collective-overlap, collective-p3: ``kvstore="collective"`` (workers only, launched with ``-s 0``):
-            all-reduce over gloo, whole tensors in production order, or sliced by priority (P3);
+            all-reduce over gloo, slices in production order, or by priority (P3);
 - ddp:      torch DistributedDataParallel with gloo (2 processes, allreduce, no servers);
 - ddp+fp16, ddp+powersgd: DDP with its communication hooks (``fp16_compress_hook``;
             ``powerSGD_hook``, rank ``POWERSGD_RANK``, vanilla all-reduce for the first
