@@ -14,8 +14,8 @@ In ``overlap`` and ``p3`` the next forward starts each segment as soon as the pa
 are back: before pushing a forward segment, the step's ``before_segment`` hook waits for those
 parameters' replies and pushes one engine op that writes them all (one fused optimizer update; it
 writes each parameter's engine var, a tied parameter going by its first name). The engine runs that
-write before the forward segments that read the parameters, while earlier segments already run; segments whose parameters are not back yet are
-not pushed yet. Writes are only pushed from the next step's hooks, after the executor waited for
+write before the forward segments that read the parameters, while earlier segments already run;
+segments whose parameters are not back yet are not pushed yet. Writes are only pushed from the next step's hooks, after the executor waited for
 every segment of this step, so no backward segment (which reads forward-made views of the weights)
 sees a new value.
 """

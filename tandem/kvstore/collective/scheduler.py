@@ -223,8 +223,9 @@ class Scheduler:
             fused = torch.cat([part.operation.value[part.start : part.stop] for part in unit])  # copied: summed in place
             work = self.data.allreduce([fused])
             finish = _Unfuse(unit, fused)
-        done = _Done(self, [part.operation.handle for part in unit], finish, first.operation.target.is_cuda)
-        if first.operation.target.is_cuda:
+        cuda = first.operation.target.is_cuda
+        done = _Done(self, [part.operation.handle for part in unit], finish, cuda)
+        if cuda:
             self._complete_cuda(work, done)
         else:
             work.get_future().add_done_callback(done)
