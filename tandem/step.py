@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.backends import BACKENDS
+from tandem.backends import BACKENDS, inductor
 from tandem.errors import BatchMismatchError
 from tandem.executor import NO_HOOKS, Executor, GradientHook, MemoryStats, SegmentHook, StepHooks
 from tandem.graph.batch import BatchLayout
@@ -287,6 +287,8 @@ class TrainStep:
 
     def _capture(self, batch: Sequence[Any], key: BatchLayout) -> _Compiled:
         start = time.perf_counter()
+        if self.config.plan.backend == "inductor" and _on_cpu(self.module):
+            inductor.warm_up()  # inductor's CPU probe runs while capture traces
         traced = self._trace(batch)
         captured = time.perf_counter()
         graph = plan_graph(traced, self.config.plan)
@@ -308,6 +310,11 @@ class TrainStep:
             for name, value in zip(graph.buffer_updates, outputs[1 + count :]):
                 buffers[name].copy_(value)  # BatchNorm running stats: written back like eager
         return StepResult(loss=loss, grads=grads)
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    """Whether the module's parameters are all on the CPU (where inductor writes C++ kernels)."""
+    return all(parameter.device.type == "cpu" for parameter in module.parameters())
 
 
 @contextmanager

@@ -18,6 +18,7 @@ A segment inductor cannot compile runs its aten code instead, with one warning n
 from __future__ import annotations
 
 import operator
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,6 +30,44 @@ import torch.fx as fx
 from tandem.backends.program import Instruction
 
 SegmentFunction = Callable[[list[Any]], None]
+
+WARM_UP_TIMEOUT_S = 120.0  # ten probes of up to 60 s each in inductor; past this, compiling probes again itself
+_warm_up: threading.Thread | None = None
+
+
+def warm_up() -> None:
+    """Start inductor's per-process CPU setup on a background thread, so that it overlaps capture.
+
+    Before its first CPU kernel, inductor probes which vector instruction sets this CPU runs: per set,
+    it compiles a test library (cached) and loads it in a fresh Python subprocess. That takes about
+    2 s, mostly waiting on those subprocesses, and would otherwise come after capture, on every
+    process's first compile, warm cache or not. Idempotent; the first ``InductorSegment.compile``
+    waits for it (``_await_warm_up``). A failure here is ignored: compiling probes again and reports it.
+    """
+    global _warm_up
+    if _warm_up is not None:
+        return
+    # imported here, on the calling thread: importing torch's circularly dependent compiler modules
+    # from two threads at once can hand one of them a partly initialised module
+    import torch._inductor.codecache  # noqa: F401  (the probe's own imports, so that the thread imports nothing)
+    import torch._inductor.cpp_builder  # noqa: F401
+    from torch._inductor import cpu_vec_isa
+
+    def probe() -> None:
+        try:
+            cpu_vec_isa.pick_vec_isa()  # cached for the process (functools.cache)
+        except Exception:  # a warm-up only: the compile that needs the answer probes again
+            pass
+
+    _warm_up = threading.Thread(target=probe, name="tandem-inductor-warm-up", daemon=True)
+    _warm_up.start()
+
+
+def _await_warm_up() -> None:
+    """Wait for ``warm_up``'s probe, if one runs: compiling would otherwise start the same probe beside it."""
+    if _warm_up is not None:
+        _warm_up.join(WARM_UP_TIMEOUT_S)
+
 
 # fallback_random: random ops call aten, so dropout draws eager's numbers from eager's generator.
 # keep_output_stride off: a value passed to a later segment keeps the layout inductor chose for it
@@ -93,6 +132,7 @@ class InductorSegment:
     def compile(self, example_inputs: list[Any]) -> None:
         """Compile with inductor for these inputs' shapes, strides and dtypes; on failure fall back to aten."""
         start = time.perf_counter()
+        _await_warm_up()
         try:
             boxed_inputs: list[Any] = [list(example_inputs)]  # one argument, the list the compiled code empties
             # standalone_compile traces under a fake mode with a shape environment, which inductor's
