@@ -17,16 +17,19 @@ What it simulates, per mode (``Strategy.mode``), for ``Cluster.workers`` identic
 The network: every host (worker or server) has a full-duplex NIC, an uplink and a downlink of
 ``rate`` each, FIFO. A message holds its sender's uplink for ``bytes / rate``; its head reaches the
 receiver's downlink ``latency`` later (cut-through), where it queues behind what that downlink
-already carries (incast). Priorities act above the links: in the worker's sender queue and in the
-server's CPU queue, so a high-priority slice waits for at most ``water_mark`` admitted slices (with
-``water_mark=1``, only for the one in flight).
+already carries (incast), and lands whole. Priorities act above the links: in the worker's sender queue
+and in the server's loop, so a high-priority slice waits for at most ``water_mark`` admitted slices
+(with ``water_mark=1``, only for the one in flight).
+The server's loop (``server.Server.serve``): take every message landed so far (a poll), serve its
+requests one by one (p3: by priority, ``p3.PriorityReceive``), then send the held replies. The P3
+server sends each reply as it is served; the plain server holds a poll's replies to each worker and
+sends them as one message (up to ``TANDEM_PS_COALESCE_BYTES``); a push is acknowledged (an empty reply).
 CPU (``Machine``): a message costs ``message_s + bytes * byte_s`` in the sending worker's sender
 thread and in the receiving worker's IO thread (requests leaving the sender at once share one
-message per server, up to ``TANDEM_PS_COALESCE_BYTES``; replies and notices go one per request); a server
-spends ``server_message_s + bytes *
+message per server, up to ``TANDEM_PS_COALESCE_BYTES``); a server spends ``server_message_s + bytes *
 server_byte_s + bytes / aggregate_Bps`` per request received (receive and sum), ``bytes /
 aggregate_Bps`` once per round (the update) and ``server_message_s + bytes * server_byte_s`` per
-reply or notice. Every thread's work (compute segments included) runs on its host's ``cores``, shared by
+message it sends (replies, RECEIVED notices). Every thread's work (compute segments included) runs on its host's ``cores``, shared by
 processor sharing (``CPU``): n busy threads on c cores each progress at min(1, c / n), or
 min(1, c / (n + b)) beside ``Machine.background`` threads of other work. A host is one
 worker or one server (a cluster), or, with ``Machine.shared_host``, one host runs every worker and
@@ -46,6 +49,8 @@ from tandem.env import knob
 from tandem.kvstore.ps.client import grouped
 from tandem.kvstore.ps.p3_sender import small
 from tandem.kvstore.ps.placement import RangePlacement, RoundRobinPlacement, Slice
+from tandem.kvstore.ps.protocol import MAX_BATCH_ENTRIES
+from tandem.kvstore.ps.transport import MAX_BATCH
 
 Mode = Literal["baseline", "overlap", "p3", "allreduce"]
 MODES: tuple[Mode, ...] = ("baseline", "overlap", "p3", "allreduce")
@@ -330,6 +335,13 @@ class _Request:
     released: bool = False  # its cap slot is free again: its notice or its reply was received
 
 
+@dataclass
+class _Reply:
+    request: _Request
+    nbytes: float
+    notice: bool = False  # a RECEIVED notice (p3), not the answer
+
+
 class _PSSim:
     def __init__(self, workload: Workload, cluster: Cluster, strategy: Strategy, iterations: int) -> None:
         self.w, self.c, self.s, self.iterations = workload, cluster, strategy, iterations
@@ -362,6 +374,9 @@ class _PSSim:
         self.rounds: dict[tuple[int, int, int], list[_Request]] = {}  # (param, slice, iteration) -> arrived
         self.done_rounds: set[tuple[int, int, int]] = set()
         self.waiting_pulls: dict[tuple[int, int, int], list[_Request]] = {}
+        self.inbox: list[list[_Request]] = [[] for _ in range(cluster.servers)]  # arrived, not polled yet
+        self.polling = [False] * cluster.servers  # the server's loop is serving a poll's requests
+        self.held: list[dict[int, list[_Reply]]] = [{} for _ in range(cluster.servers)]  # per worker, until flushed
         self.missing = [[0] * len(workload.names) for _ in range(n_workers)]  # slices not back, per param
         self.back = [[-1] * len(workload.names) for _ in range(n_workers)]  # last iteration fully back
         self.position = [(0, 0)] * n_workers  # (iteration, segment index over forward + backward)
@@ -462,23 +477,20 @@ class _PSSim:
 
     def _send_message(self, worker: int, requests: list[_Request]) -> None:
         cost = self.m.message_s + sum(r.nbytes for r in requests) * self.m.byte_s
+        self.sender[worker].put(cost, lambda: self.transmit(requests))
 
-        def sent() -> None:
-            for request in requests:
-                self.transmit(request)
-
-        self.sender[worker].put(cost, sent)
-
-    def transmit(self, request: _Request) -> None:
-        worker, server = request.worker, request.server
+    def transmit(self, requests: list[_Request]) -> None:
+        """One message of ``requests`` from their worker to their server: it lands whole (the server's
+        transport reads whole messages), after the worker's uplink and the server's downlink."""
+        worker, server = requests[0].worker, requests[0].server
         sent = self.events.now
         if worker == 0:
-            self.sends.append((sent, request.param, request.slice))
-        seconds = request.nbytes / self.rate
+            self.sends.extend((sent, request.param, request.slice) for request in requests)
+        seconds = sum(r.nbytes for r in requests) / self.rate
 
         def landed() -> None:
             self.on_network(worker, sent)
-            self.arrived(request)
+            self.arrived(server, requests)
 
         def head_arrives() -> None:
             self.server_down[server].put(seconds, landed)
@@ -486,44 +498,115 @@ class _PSSim:
         self.uplink[worker].put(seconds, lambda: None, started=lambda: self.events.at(
             self.events.now + self.c.latency_s, head_arrives))  # fmt: skip
 
-    def arrived(self, request: _Request) -> None:
-        m = self.m
-        cost = m.server_message_s + request.nbytes * m.server_byte_s + request.nbytes / m.aggregate_Bps
-        self.server_cpu[request.server].put(cost, lambda: self.served(request), priority=request.priority)
+    # the server: a loop that takes every request arrived so far (a poll), serves them one by one, then
+    # sends the replies it held (server.Server.serve)
+    def arrived(self, server: int, requests: list[_Request]) -> None:
+        self.inbox[server].extend(requests)
+        if not self.polling[server]:
+            self.poll(server)
 
-    def served(self, request: _Request) -> None:
+    def poll(self, server: int) -> None:
+        """Take what arrived (at most ``MAX_BATCH`` requests); p3 serves them by priority, ties in arrival
+        order (``p3.PriorityReceive``), the plain server in arrival order. Idle once nothing waits."""
+        batch, self.inbox[server] = self.inbox[server][:MAX_BATCH], self.inbox[server][MAX_BATCH:]
+        self.polling[server] = bool(batch)
+        if self.s.mode == "p3":
+            batch.sort(key=lambda request: -request.priority)  # stable
+        if batch:
+            self.serve(server, batch, 0)
+
+    def serve(self, server: int, batch: list[_Request], index: int) -> None:
+        """Serve ``batch[index]`` (receive and sum its bytes), then the rest; at the end, flush and poll again."""
+        if index == len(batch):
+            self.flush(server, lambda: self.poll(server))
+            return
+        request, m = batch[index], self.m
+        cost = m.server_message_s + request.nbytes * m.server_byte_s + request.nbytes / m.aggregate_Bps
+        self.server_cpu[server].put(cost, lambda: self.served(request, lambda: self.serve(server, batch, index + 1)))
+
+    def served(self, request: _Request, then: Callable[[], None]) -> None:
+        """The round logic of one request; its replies (and the round's update) cost the server's thread
+        before ``then`` serves the next request."""
         key = (request.param, request.slice, request.iteration)
         if request.kind == "pull":
             if key in self.done_rounds:
-                self.reply(request)
+                self.answer([_Reply(request, request.reply_bytes)], then)
             else:
                 self.waiting_pulls.setdefault(key, []).append(request)
+                then()
             return
+        ack = [_Reply(request, 0.0)] if request.kind == "push" else []  # acknowledged at once (server._push)
         arrived = self.rounds.setdefault(key, [])
         arrived.append(request)
         if len(arrived) < self.c.workers:
             if request.receipt:  # parked: the worker learns at once that it arrived (p3.P3Server._pushpull)
-                self.server_cpu[request.server].put(self.m.server_message_s, lambda: self.to_worker(
-                    request, 0.0, lambda: self.noticed(request)), priority=INF)  # fmt: skip
+                self.answer([_Reply(request, 0.0, notice=True)], then)
+            else:
+                self.answer(ack, then)
             return
         del self.rounds[key]
         update = self.slices[request.param][request.slice].numel * 4 / self.m.aggregate_Bps  # one pass over the sum
 
         def round_done() -> None:
             self.done_rounds.add(key)
-            for r in arrived if request.kind == "pushpull" else self.waiting_pulls.pop(key, []):
-                cost = self.m.server_message_s + r.reply_bytes * self.m.server_byte_s
-                self.server_cpu[r.server].put(cost, lambda r=r: self.reply(r), priority=r.priority)  # type: ignore[misc]
+            waiting = arrived if request.kind == "pushpull" else self.waiting_pulls.pop(key, [])
+            self.answer(ack + [_Reply(r, r.reply_bytes) for r in waiting], then)
 
-        self.server_cpu[request.server].put(update, round_done, priority=request.priority)
+        self.server_cpu[request.server].put(update, round_done)
 
-    def reply(self, request: _Request) -> None:
-        self.to_worker(request, request.reply_bytes, lambda: self.received(request))
+    def answer(self, replies: list[_Reply], then: Callable[[], None]) -> None:
+        """Send ``replies``, then ``then``. The plain server holds replies per worker until its poll ends
+        (``flush``) or they reach ``TANDEM_PS_COALESCE_BYTES`` (transport.ServerTransport.reply); the P3
+        server sends each at once, and notices always go at once."""
+        if not replies:
+            then()
+            return
+        reply, rest = replies[0], replies[1:]
+        worker, server = reply.request.worker, reply.request.server
+        if reply.notice or self.s.mode == "p3" or self.coalesce_bytes <= 0:
+            self.send_replies(server, worker, [reply], lambda: self.answer(rest, then))
+            return
+        held = self.held[server].setdefault(worker, [])
+        if held and sum(r.nbytes for r in held) + reply.nbytes > self.coalesce_bytes:
+            self.send_replies(server, worker, self.held[server].pop(worker), lambda: self.answer(replies, then))
+            return
+        held.append(reply)
+        if sum(r.nbytes for r in held) >= self.coalesce_bytes or len(held) == MAX_BATCH_ENTRIES:
+            self.send_replies(server, worker, self.held[server].pop(worker), lambda: self.answer(rest, then))
+        else:
+            self.answer(rest, then)
 
-    def to_worker(self, request: _Request, nbytes: float, received: Callable[[], None]) -> None:
-        """A message of ``nbytes`` about ``request`` from its server back to its worker (a reply, or a
-        RECEIVED notice of no bytes): the server's uplink, the worker's downlink, its IO thread."""
-        worker, seconds, sent = request.worker, nbytes / self.rate, self.events.now
+    def flush(self, server: int, then: Callable[[], None]) -> None:
+        """The end of a poll: each worker's held replies leave, one message per worker."""
+        if not self.held[server]:
+            then()
+            return
+        worker = next(iter(self.held[server]))
+        self.send_replies(server, worker, self.held[server].pop(worker), lambda: self.flush(server, then))
+
+    def send_replies(self, server: int, worker: int, replies: list[_Reply], then: Callable[[], None]) -> None:
+        """One message (a BATCH if several replies): the server's thread (server_message_s + bytes x
+        server_byte_s), its uplink, the worker's downlink and IO thread (message_s + bytes x byte_s),
+        then each reply takes effect; ``then`` runs once the server's thread has sent it."""
+        nbytes = sum(r.nbytes for r in replies)
+
+        def received() -> None:
+            for reply in replies:
+                if reply.notice:
+                    self.noticed(reply.request)
+                elif reply.request.kind != "push":  # a push's acknowledgement only costs its message
+                    self.received(reply.request)
+
+        def sent() -> None:
+            self.to_worker(server, worker, nbytes, received)
+            then()
+
+        self.server_cpu[server].put(self.m.server_message_s + nbytes * self.m.server_byte_s, sent)
+
+    def to_worker(self, server: int, worker: int, nbytes: float, received: Callable[[], None]) -> None:
+        """A message of ``nbytes`` from ``server`` to ``worker`` (replies, or a RECEIVED notice of no bytes):
+        the server's uplink, the worker's downlink, its IO thread."""
+        seconds, sent = nbytes / self.rate, self.events.now
 
         def landed() -> None:
             self.on_network(worker, sent)
@@ -532,7 +615,7 @@ class _PSSim:
         def head_arrives() -> None:
             self.downlink[worker].put(seconds, landed)
 
-        self.server_up[request.server].put(seconds, lambda: None, started=lambda: self.events.at(
+        self.server_up[server].put(seconds, lambda: None, started=lambda: self.events.at(
             self.events.now + self.c.latency_s, head_arrives))  # fmt: skip
 
     def on_network(self, worker: int, since: float) -> None:

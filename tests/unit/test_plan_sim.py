@@ -124,6 +124,29 @@ def test_a_segments_requests_to_one_server_share_a_message(monkeypatch: pytest.M
     assert alone[1][0] - alone[0][0] == pytest.approx(0.001)
 
 
+def test_the_plain_server_answers_a_poll_in_one_message_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Baseline, 1 worker, free links and server, message_s 1 ms: after backward (4 s) the two pushes
+    leave in one message (4.001), the two pulls in another (4.002). The server acknowledges the
+    pushes of its first poll in one message (received 4.001-4.002) and answers the pulls of its second in
+    one (4.002-4.003). With TANDEM_PS_COALESCE_BYTES=0 every request and reply is a message of its own:
+    4 sent (until 4.004) and 4 received one after another, the last reply from 4.004 to 4.005."""
+    workload = Workload(("a", "b"), (40, 40), (1.0, 1.0), ((0,), (1,)), (1.0, 1.0), ((1,), (0,)))
+    cluster = Cluster(1, 1, 1e30, latency_s=0.0, machine=dataclasses.replace(NO_COST, message_s=0.001))
+    assert simulate(workload, cluster, Strategy("baseline")).iteration_s == pytest.approx(4.003)
+    monkeypatch.setenv("TANDEM_PS_COALESCE_BYTES", "0")
+    assert simulate(workload, cluster, Strategy("baseline")).iteration_s == pytest.approx(4.005)
+
+
+def test_p3_serves_a_poll_by_priority_and_replies_at_once() -> None:
+    """p3, 1 worker: a segment's two gradients leave in one message, so the server takes both in one poll
+    and serves the higher priority (a, parameter 0) first, each reply leaving as it is served
+    (server_message_s 0.1 s per request and per reply): a's reply leaves at 0.2, b's at 0.4."""
+    workload = Workload(("a", "b"), (40, 40), (1.0,), ((0, 1),), (1.0,), ((1, 0),))
+    cluster = Cluster(1, 1, 1e30, latency_s=0.0, machine=dataclasses.replace(NO_COST, server_message_s=0.1))
+    result = simulate(workload, cluster, Strategy("p3", slice_size=10**7))
+    assert result.iteration_s == pytest.approx(2.4)  # compute 2 s, then b is back 0.4 s after backward
+
+
 def test_ring_allreduce_formula() -> None:
     cluster = Cluster(4, 0, RATE, latency_s=0.01, machine=Machine(message_s=0.001))
     assert allreduce_seconds(4_000_000, cluster) == pytest.approx(2 * 3 / 4 * 1.0 + 6 * (0.01 + 2 * 0.001))
