@@ -32,8 +32,10 @@ aggregate_Bps`` once per round (the update) and ``server_message_s + bytes * ser
 message it sends (replies, RECEIVED notices). Every thread's work (compute segments included) runs on its host's ``cores``, shared by
 processor sharing (``CPU``): n busy threads on c cores each progress at min(1, c / n), or
 min(1, c / (n + b)) beside ``Machine.background`` threads of other work. A host is one
-worker or one server (a cluster), or, with ``Machine.shared_host``, one host runs every worker and
-server (this machine under ``tandem launch``), so communication and servers slow compute down.
+worker or one server (a cluster); with ``Cluster.colocated``, worker k and server k share a host (its
+NIC, its cores; their messages to each other skip the network); with ``Machine.shared_host``, one
+host runs every worker and server (this machine under ``tandem launch``), so communication and
+servers slow compute down.
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ class Cluster:
     rate_bps: float
     latency_s: float = 50e-6  # one way, NIC to NIC
     machine: Machine = Machine()
+    # server k runs on worker k's host (MXNet's launch.py without -s): they share its NIC (and, with
+    # cores, its CPU), and their messages to each other stay on the host (no link, no latency)
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.workers, int) and self.workers >= 1):
@@ -145,6 +150,9 @@ class Cluster:
             raise ValueError(f"link rate must be > 0 bits/s (e.g. '100mbit', '10gbit'), got {self.rate_bps!r}")
         if not self.latency_s >= 0:
             raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        if self.colocated and self.servers > self.workers:
+            raise ValueError(f"colocated servers run on the workers' hosts: at most {self.workers} servers, "
+                             f"got {self.servers}")  # fmt: skip
 
     @property
     def bytes_per_s(self) -> float:
@@ -357,13 +365,15 @@ class _PSSim:
         cores, background = machine.cores, machine.background
         shared = CPU(ev, cores, background)  # shared_host: one host runs every process
         self.cpu = [shared if machine.shared_host else CPU(ev, cores, background) for _ in range(n_workers)]
-        server_cpus = [shared if machine.shared_host else CPU(ev, cores, background) for _ in range(cluster.servers)]
+        server_cpus = [shared if machine.shared_host else self.cpu[k] if cluster.colocated else CPU(ev, cores, background)
+                       for k in range(cluster.servers)]  # fmt: skip
         self.uplink = [Resource(ev) for _ in range(n_workers)]
         self.downlink = [Resource(ev) for _ in range(n_workers)]
         self.sender = [Resource(ev, self.cpu[w]) for w in range(n_workers)]  # the worker's sender thread
         self.receiver = [Resource(ev, self.cpu[w]) for w in range(n_workers)]  # the worker's IO thread
-        self.server_up = [Resource(ev) for _ in range(cluster.servers)]
-        self.server_down = [Resource(ev) for _ in range(cluster.servers)]
+        colocated = cluster.colocated
+        self.server_up = [self.uplink[k] if colocated else Resource(ev) for k in range(cluster.servers)]
+        self.server_down = [self.downlink[k] if colocated else Resource(ev) for k in range(cluster.servers)]
         self.server_cpu = [Resource(ev, cpu) for cpu in server_cpus]  # the server's thread
         self.queued: list[list[tuple[float, int, _Request]]] = [[] for _ in range(n_workers)]  # send queues
         self.order = 0
@@ -492,6 +502,10 @@ class _PSSim:
             self.on_network(worker, sent)
             self.arrived(server, requests)
 
+        if self.c.colocated and worker == server:  # on the host: no link
+            landed()
+            return
+
         def head_arrives() -> None:
             self.server_down[server].put(seconds, landed)
 
@@ -611,6 +625,10 @@ class _PSSim:
         def landed() -> None:
             self.on_network(worker, sent)
             self.receiver[worker].put(self.m.message_s + nbytes * self.m.byte_s, received)
+
+        if self.c.colocated and worker == server:  # on the host: no link
+            landed()
+            return
 
         def head_arrives() -> None:
             self.downlink[worker].put(seconds, landed)

@@ -147,6 +147,16 @@ def test_p3_serves_a_poll_by_priority_and_replies_at_once() -> None:
     assert result.iteration_s == pytest.approx(2.4)  # compute 2 s, then b is back 0.4 s after backward
 
 
+def test_colocated_servers_share_their_workers_nic() -> None:
+    """2 workers + 2 colocated servers, one 1M-element gradient split over both servers (2 MB each): at
+    1.5 s each worker's own part lands at once, the other crosses to the other host (0.5 s); each server
+    answers its own worker at once and the other over the link it shares with its worker (0.5 s more)."""
+    cluster = Cluster(2, 2, RATE, latency_s=0.0, colocated=True, **FREE)
+    assert simulate(one_gradient(), cluster, Strategy("overlap")).iteration_s == pytest.approx(1.5 + 0.5 + 0.5)
+    with pytest.raises(ValueError, match="at most 2 servers"):
+        Cluster(2, 3, RATE, colocated=True)
+
+
 def test_ring_allreduce_formula() -> None:
     cluster = Cluster(4, 0, RATE, latency_s=0.01, machine=Machine(message_s=0.001))
     assert allreduce_seconds(4_000_000, cluster) == pytest.approx(2 * 3 / 4 * 1.0 + 6 * (0.01 + 2 * 0.001))
