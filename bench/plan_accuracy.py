@@ -12,7 +12,8 @@ The constants come from ``measure.py`` and the profile alone; nothing here is fi
 runs. Each measured job is appended to ``OUT/jobs.jsonl`` as it ends (with the load average around
 it), so a stopped run resumes, and the table is written from whatever has been measured.
 
-Reproduce: python bench/plan_accuracy.py   (options: --models, --configs 2x1 2x2 3x1 3x2, --rates, --runs)
+Reproduce: python bench/plan_accuracy.py   (options: --models, --configs 2x1 2x2 3x1 3x2, --rates, --runs;
+--sweep: the recommendation against a p3 knob sweep; --repeat N: one configuration's jobs N times, their spread)
 Writes bench/out/plan_accuracy.md and bench/out/plan_accuracy.png.
 """
 
@@ -157,6 +158,34 @@ def sweep(args: argparse.Namespace, out: Path) -> str:
             f"{rows[0][3]:.1f} samples/s, {float(rows[0][3]) / best:.0%} of the best point swept\n\n{text}")
 
 
+def repeat(args: argparse.Namespace) -> str:
+    """The same jobs measured again and again (modes interleaved), with this machine's speed per small
+    torch call before and after each: how far one job's measurement moves on its own."""
+    from tandem.planner.measure import dispatch_seconds
+    from tandem.planner.validate import Job, measure
+
+    model, rate = args.sweep_model, args.sweep_rate
+    workers, servers = (int(n) for n in args.sweep_config.split("x"))
+    entry_name, config, batch_size = MODELS[model]
+    env = {"p3": {"TANDEM_KVSTORE_SLICE_THRESHOLD": "320000", "TANDEM_PS_WATER_MARK": "160"}}  # the unshaped plan's
+    found: dict[str, list[float]] = {mode: [] for mode in MODES}
+    rows: list[list[Any]] = []
+    for number in range(args.repeat):
+        for mode in MODES:
+            before = dispatch_seconds()
+            measured = measure(Job(entry_name, config, batch_size, mode, runs=args.runs, steps=args.steps), workers,
+                               servers, rate, env.get(mode, {}))  # fmt: skip
+            after = dispatch_seconds()
+            found[mode].append(measured)
+            rows.append([number + 1, mode, f"{measured:.1f}", f"{before * 1e6:.2f} / {after * 1e6:.2f}"])
+            print(rows[-1], flush=True)
+    spread = [[mode, f"{min(v):.1f}", f"{max(v):.1f}", f"{max(v) / min(v):.2f}"] for mode, v in found.items()]
+    return (f"{model}, {workers} workers + {servers} servers at {rate}, each job {args.repeat} times (modes "
+            f"interleaved; p3 at 320k elements, water mark 160):\n\n"
+            + markdown_table(["mode", "lowest samples/s", "highest", "highest / lowest"], spread) + "\n\n"
+            + markdown_table(["pass", "mode", "measured samples/s", "us per torch call before / after"], rows))
+
+
 def resimulate(row: dict[str, Any], out: Path, background: float = 0.0) -> float:
     """The current simulator's prediction of ``row``'s job at its knobs, with ``background`` threads of
     other work (0: had the machine had no other work)."""
@@ -241,6 +270,8 @@ def main() -> None:
     parser.add_argument("--sweep-model", default="vgg", choices=list(MODELS))
     parser.add_argument("--sweep-rate", default="100mbit")
     parser.add_argument("--sweep-config", default="2x2")
+    parser.add_argument("--repeat", type=int, default=0, metavar="N",
+                        help="instead: measure the --sweep-model/-config/-rate jobs N times each (their spread)")
     parser.add_argument("--report-only", action="store_true", help="write the table from OUT/plan_accuracy/jobs.jsonl")
     parser.add_argument("--repredict", action="store_true",
                         help="with --report-only: predict each recorded job again with the current simulator, at "
@@ -252,6 +283,10 @@ def main() -> None:
         parser.error("--repredict re-predicts recorded jobs: use it with --report-only")
     out = OUT / "plan_accuracy"
     out.mkdir(parents=True, exist_ok=True)
+    if args.repeat:
+        text = repeat(args)
+        print(f"\n{text}\n\nwritten {write_report('plan_repeat', text)}\nreproduce: {command_line()}")
+        return
     if args.sweep:
         text = sweep(args, out)
         print(f"\n{text}\n\nwritten {write_report('plan_sweep', text)}\nreproduce: {command_line()}")
