@@ -18,7 +18,7 @@ def plan(model: nn.Module | Profile | str | Path, loss_fn: Any = None, batch: Se
          name: str = "model", saved: str | Path | None = None, workers: int = 16, servers: int = 4,
          rate: str | float = "10gbit", latency_s: float = 50e-6, modes: Sequence[str] = MODES,
          machine: Machine | None = None, measure: bool = False, sweep: bool = True, runs: int = 5,
-         **step_options: Any) -> Plan:  # fmt: skip
+         colocated: bool = False, **step_options: Any) -> Plan:  # fmt: skip
     """Predict samples/s of data-parallel training on ``workers`` workers and ``servers`` servers whose
     links move ``rate`` each way, per communication mode, and recommend one with its knobs.
 
@@ -29,7 +29,8 @@ def plan(model: nn.Module | Profile | str | Path, loss_fn: Any = None, batch: Se
     costs, cores and placement (default ``Machine()``: measured costs, a spare core for every thread;
     ``tandem.planner.measure.this_machine()``: this machine running every worker and server).
     ``measure``: measure the CPU costs on this machine instead of ``machine``'s (keeping its cores
-    and placement).
+    and placement). ``colocated``: each server runs on a worker's machine, sharing its link and
+    cores (MXNet's ``launch.py``, BytePS): at most ``workers`` servers.
 
     Example:
         ```python
@@ -40,7 +41,7 @@ def plan(model: nn.Module | Profile | str | Path, loss_fn: Any = None, batch: Se
         ```
     """
     target = Target(workers, servers, rate, latency_s, tuple(modes), machine=machine or Machine(),
-                    sweep=sweep)  # checked before any profiling
+                    sweep=sweep, colocated=colocated)  # checked before any profiling
     if isinstance(model, Profile):
         found = model
     elif isinstance(model, str | Path):

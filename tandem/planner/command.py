@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", type=int, default=4, help="parameter servers (>= 1; 0 only with --modes allreduce)")
     parser.add_argument("--link", default="10gbit", help="every host's link rate, each way: 100mbit, 10gbit, 12.5mbps, ...")
     parser.add_argument("--latency-us", type=float, default=50.0, help="one-way latency between two hosts, microseconds")
+    parser.add_argument("--colocated", action="store_true",
+                        help="each server runs on a worker's machine, sharing its link and cores (MXNet's launch.py, "
+                             "BytePS); at most --workers servers")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="the modes to simulate")
     parser.add_argument("--profile", default=None, metavar="JSON",
                         help="use this saved profile instead of profiling (refused if of another model or version)")
@@ -45,6 +48,9 @@ def run(args: argparse.Namespace, module: nn.Module, loss_fn: Any, batch: tuple[
     from tandem.planner.api import plan
 
     out = Path(args.out)
+    if args.colocated and (args.here or args.validate):
+        raise SystemExit("tandem plan: --colocated plans a cluster; --here and --validate plan this machine, where "
+                         "tandem launch gives every worker and server a link of its own")  # fmt: skip
     machine, measure = None, args.measure
     if args.here or args.validate:
         from tandem.planner.measure import background_threads, this_machine
@@ -56,7 +62,8 @@ def run(args: argparse.Namespace, module: nn.Module, loss_fn: Any, batch: tuple[
             machine = dataclasses.replace(machine or Machine(), cores=args.cores)
         result: Plan = plan(module, loss_fn, batch, name=args.model, saved=args.profile, workers=args.workers,
                             servers=args.servers, rate=args.link, latency_s=args.latency_us * 1e-6, modes=args.modes,
-                            machine=machine, measure=measure, runs=args.runs, **step_options)  # fmt: skip
+                            machine=machine, measure=measure, runs=args.runs, colocated=args.colocated,
+                            **step_options)  # fmt: skip
     except (ProfileMismatch, ValueError, TypeError) as error:
         raise SystemExit(f"tandem plan: {error}") from None
     if args.profile is None:

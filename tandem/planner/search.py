@@ -64,6 +64,7 @@ class Target:
     compressions: tuple[str, ...] = ("fp16", "2bit")  # simulated beside each mode, never recommended
     machine: Machine = Machine()
     sweep: bool = True  # the curves over workers and link rates (for the plot)
+    colocated: bool = False  # each server on a worker's machine (Cluster.colocated); sweeps keep servers <= workers
 
     def __post_init__(self) -> None:
         if not (isinstance(self.workers, int) and self.workers >= 1):
@@ -77,11 +78,18 @@ class Target:
         if self.servers < 0:
             raise ValueError(f"servers must be >= 0, got {self.servers}")
         parse_rate(self.rate)
+        if self.colocated and self.servers > self.workers:
+            raise ValueError(f"colocated servers run on the workers' machines: at most {self.workers} servers, got "
+                             f"{self.servers}")  # fmt: skip
         self.cluster()  # the rest of the checks
 
     def cluster(self, workers: int | None = None, servers: int | None = None, rate: str | float | None = None) -> Cluster:
-        return Cluster(self.workers if workers is None else workers, self.servers if servers is None else servers,
-                       parse_rate(self.rate if rate is None else rate), self.latency_s, self.machine)  # fmt: skip
+        workers = self.workers if workers is None else workers
+        servers = self.servers if servers is None else servers
+        if self.colocated:  # a sweep point of fewer machines has no more servers than machines
+            servers = min(servers, workers)
+        return Cluster(workers, servers, parse_rate(self.rate if rate is None else rate), self.latency_s, self.machine,
+                       colocated=self.colocated)  # fmt: skip
 
 
 @dataclass
@@ -104,7 +112,8 @@ class Plan:
                  f"{profile.total_bytes / 1e6:.1f} MB sent per step), batch {profile.batch_size} per worker, "
                  f"compute {profile.compute_s * 1e3:.1f} ms per step ({len(profile.segments)} segments, "
                  f"{profile.threads} thread{'s' if profile.threads > 1 else ''})",
-                 f"cluster: {_count(cluster.workers, 'worker')}, {_count(cluster.servers, 'server')}, "
+                 f"cluster: {_count(cluster.workers, 'worker')}, {_count(cluster.servers, 'server')}"
+                 f"{' (each on a worker machine)' if cluster.colocated else ''}, "
                  f"{rate_label(cluster.rate_bps)} links, "
                  f"{cluster.latency_s * 1e6:.0f} us latency", f"machine: {cluster.machine.describe()}", ""]  # fmt: skip
         header = f"{'mode':<28}{'samples/s':>10}{'ms/iter':>10}{'compute':>9}{'exposed comm':>13}{'idle':>8}"
@@ -189,7 +198,8 @@ def search(profile: Profile, target: Target) -> Plan:
     ps = [chosen[m] for m in target.modes if m in PS_MODES]
     if ps:
         strategy = max(ps, key=lambda p: p.samples_per_s).strategy
-        counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max(target.workers, target.servers)} | {target.servers})
+        most = target.workers if target.colocated else max(target.workers, target.servers)
+        counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= most} | {target.servers})
         result.server_curve = {n: simulate(workload, target.cluster(servers=n), strategy, iterations=4).samples_per_s
                                for n in counts}  # fmt: skip
         top = max(result.server_curve.values())

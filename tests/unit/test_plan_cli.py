@@ -53,6 +53,8 @@ def test_a_profile_of_another_model_or_version_is_refused(profiled: Path, tmp_pa
     (["--servers", "0"], r"servers must be an int >= 1 for the parameter-server modes"),
     (["--link", "0"], r"link rate must be > 0"),
     (["--link", "fast"], r"is not a rate"),
+    (["--colocated", "--workers", "2", "--servers", "3"], r"at most 2 servers"),
+    (["--colocated", "--here"], r"--colocated plans a cluster"),
 ])  # fmt: skip
 def test_impossible_configurations_are_clear_errors(options: list[str], message: str, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=message):
@@ -68,3 +70,12 @@ def test_the_api(profiled: Path) -> None:
     batch = entry.make_batch(32, torch.Generator().manual_seed(1), **config)
     with pytest.raises(ProfileMismatch, match="not 'gpt'"):  # a module with a saved profile is checked, not profiled
         tandem.plan(entry.build(**config), entry.loss_fn, batch, name="gpt", saved=profiled, sweep=False)
+
+
+def test_colocated_servers(profiled: Path) -> None:
+    """Servers on the workers' machines: the report says so, and the sweep over workers keeps at most one
+    server per machine (1 worker: 1 server)."""
+    result = tandem.plan(profiled, workers=4, servers=4, rate="1gbit", modes=("overlap",), colocated=True)
+    assert "(each on a worker machine)" in result.report()
+    assert result.best.cluster.colocated and set(result.server_curve) <= {1, 2, 4}
+    assert result.by_workers["overlap"][1] > 0  # planned with 1 server, not refused
