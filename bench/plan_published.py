@@ -22,8 +22,9 @@ What this script does:
 The paper's baseline is MXNet's default store, which already sends each gradient as backward produces
 it, so "P3 over baseline" is ``p3 / overlap`` here; ``p3 / baseline`` is shown beside it.
 
-Reproduce: python bench/plan_published.py   (--efficiency, --message-us, --machines, --rates; ~10 min,
-most of it profiling VGG-19 on the CPU; profiles are cached in bench/out/plan_published/)
+Reproduce: python bench/plan_published.py   (--efficiency, --message-us, --machines, --rates, --no-bulk; about
+7 minutes, most of it simulating; the first run also profiles both models, about 2 minutes, cached in
+bench/out/plan_published/)
 Writes bench/out/plan_published.md and bench/out/plan_published.png.
 """
 
@@ -89,11 +90,13 @@ def flops_per_sample(module: Any) -> float:
     return counter.get_total_flops() / 2
 
 
-def profiled(name: str, batch: int, out: Path, refresh: bool) -> tuple[Any, float]:
-    """The model's tandem profile at ``batch`` and its flops per sample, cached in ``out``."""
+def profiled(name: str, batch: int, out: Path, refresh: bool, bulk: bool = True) -> tuple[Any, float]:
+    """The model's tandem profile at ``batch`` (``bulk``: tandem's segments; else one per op) and its
+    flops per sample, cached in ``out``."""
     from tandem.planner.profile import Profile, profile
 
-    path, flops_path = out / f"profile_{MODELS[name]}.json", out / f"flops_{MODELS[name]}.json"
+    suffix = "" if bulk else "_nobulk"
+    path, flops_path = out / f"profile_{MODELS[name]}{suffix}.json", out / f"flops_{MODELS[name]}.json"
     if path.exists() and flops_path.exists() and not refresh:
         found = Profile.load(path)
         if found.batch_size == batch:
@@ -102,7 +105,7 @@ def profiled(name: str, batch: int, out: Path, refresh: bool) -> tuple[Any, floa
     flops = flops_per_sample(module)
     start = time.perf_counter()
     print(f"{name}: profiling one step at batch {batch} on this CPU (one thread)...", flush=True)
-    found = profile(module, _loss, _batch(batch), MODELS[name], runs=3, warmup=1)
+    found = profile(module, _loss, _batch(batch), MODELS[name], runs=3, warmup=1, bulk=bulk)
     print(f"{name}: profiled in {time.perf_counter() - start:.0f} s: {found.compute_s:.2f} s per step, "
           f"{len(found.segments)} segments", flush=True)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
@@ -135,7 +138,11 @@ def sweep(workload: Any, machines: int, machine: Any, rates: list[float]) -> dic
     return found
 
 
-def plot(results: dict[str, dict[float, dict[str, float]]], path: Path) -> None:
+def _percent(change: float) -> str:
+    return f"{round(change, 2) + 0.0:+.0%}"  # + 0.0: no "-0%" for a change that rounds to nothing
+
+
+def plot(results: dict[str, dict[float, dict[str, float]]], path: Path, machines: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,7 +157,7 @@ def plot(results: dict[str, dict[float, dict[str, float]]], path: Path) -> None:
                      label=f"{name}: the paper's best (+{PAPER_BEST[name]:.0%})")  # fmt: skip
     axes.set_xlabel("link rate per machine, each way (Gbit/s)")
     axes.set_ylabel("P3 speedup (%)")
-    axes.set_title("tandem plan: P3 on 4 machines (worker + server each), P4000-scaled compute", fontsize=10)
+    axes.set_title(f"tandem plan: P3 on {machines} machines (worker + server each), P4000-scaled compute", fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
@@ -168,6 +175,8 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=list(RATES_GBIT), help="link rates, Gbit/s")
     parser.add_argument("--profile-batch", type=int, default=2, help="batch of the CPU profile (scaled to 32)")
     parser.add_argument("--reprofile", action="store_true", help="profile again instead of reading the cache")
+    parser.add_argument("--no-bulk", action="store_true",
+                        help="profile with one segment per op (tandem's bulking off: finer overlap) instead")
     args = parser.parse_args()
     if not 0 < args.efficiency <= 1:
         parser.error(f"--efficiency must lie in (0, 1], got {args.efficiency}")
@@ -184,7 +193,7 @@ def main() -> None:
     rows: list[list[Any]] = []
     lines: list[str] = []
     for name in MODELS:
-        found, flops = profiled(name, args.profile_batch, out, args.reprofile)
+        found, flops = profiled(name, args.profile_batch, out, args.reprofile, bulk=not args.no_bulk)
         workload = gpu_workload(found, flops, args.efficiency)
         results[name] = by_rate = sweep(workload, args.machines, costs, args.rates)
         print(f"{name}: {workload.total_bytes / 1e6:.0f} MB of parameters, {flops / 1e9:.1f} GFLOP per sample, "
@@ -192,7 +201,7 @@ def main() -> None:
         for rate in sorted(by_rate):
             modes = by_rate[rate]
             rows.append([name, f"{rate:g}", f"{modes['baseline']:.1f}", f"{modes['overlap']:.1f}", f"{modes['p3']:.1f}",
-                         f"{modes['p3'] / modes['overlap'] - 1:+.0%}", f"{modes['p3'] / modes['baseline'] - 1:+.0%}"])  # fmt: skip
+                         _percent(modes["p3"] / modes["overlap"] - 1), _percent(modes["p3"] / modes["baseline"] - 1)])  # fmt: skip
         best_rate = max(by_rate, key=lambda r: by_rate[r]["p3"] / by_rate[r]["overlap"])
         best = by_rate[best_rate]["p3"] / by_rate[best_rate]["overlap"] - 1
         met = abs(best / PAPER_BEST[name] - 1) <= WITHIN
@@ -218,11 +227,11 @@ def main() -> None:
                      if peak > 0 else f"- {name}: the gain grows as bandwidth falls over the whole sweep "
                      f"({'met' if grows else 'MISSED'})")  # fmt: skip
     image = OUT / "plan_published.png"
-    plot(results, image)
+    plot(results, image, args.machines)
     text = (f"({time.strftime('%Y-%m-%d')}; {args.machines} machines, each a worker and a colocated server; batch "
             f"{BATCH} per GPU; compute scaled to a P4000 at {args.efficiency:.0%} of its {P4000_FLOPS / 1e12:.1f} "
             f"TFLOP/s; {args.message_us:g} us + {COPY_BYTE_S * 1e9:g} ns/B of CPU per message; ran {(time.perf_counter() - started) / 60:.1f} "
-            f"minutes)\n\nPredicted samples/s (all machines) and P3's speedup over MXNet's store (overlap) and over "
+            f"minutes{'; one segment per op' if args.no_bulk else ''})\n\nPredicted samples/s (all machines) and P3's speedup over MXNet's store (overlap) and over "
             f"baseline:\n\n"
             + markdown_table(["model", "Gbit/s", "baseline", "overlap (MXNet's store)", "p3 (40k, wm 10)",
                               "p3 / overlap", "p3 / baseline"], rows)

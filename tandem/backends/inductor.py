@@ -31,7 +31,7 @@ from tandem.backends.program import Instruction
 
 SegmentFunction = Callable[[list[Any]], None]
 
-WARM_UP_TIMEOUT_S = 120.0  # ten probes of up to 60 s each in inductor; past this, compiling probes again itself
+WARM_UP_TIMEOUT_S = 120.0  # a probe per instruction set, each up to a 60 s load; past this, compiling probes itself
 _warm_up: threading.Thread | None = None
 
 
@@ -42,20 +42,26 @@ def warm_up() -> None:
     it compiles a test library (cached) and loads it in a fresh Python subprocess. That takes about
     2 s, mostly waiting on those subprocesses, and would otherwise come after capture, on every
     process's first compile, warm cache or not. Idempotent; the first ``InductorSegment.compile``
-    waits for it (``_await_warm_up``). A failure here is ignored: compiling probes again and reports it.
+    waits for it (``_await_warm_up``). Any failure here is ignored: compiling probes again itself
+    and reports what fails.
     """
     global _warm_up
     if _warm_up is not None:
         return
-    # imported here, on the calling thread: importing torch's circularly dependent compiler modules
-    # from two threads at once can hand one of them a partly initialised module
-    import torch._inductor.codecache  # noqa: F401  (the probe's own imports, so that the thread imports nothing)
-    import torch._inductor.cpp_builder  # noqa: F401
-    from torch._inductor import cpu_vec_isa
+    try:
+        # imported here, on the calling thread: importing torch's circularly dependent modules from two
+        # threads at once can hand one of them a partly initialised module; these are every module the
+        # probe imports, so the thread imports nothing
+        import torch._inductor.codecache  # noqa: F401
+        import torch._inductor.cpp_builder  # noqa: F401
+        import torch.utils.cpp_extension  # noqa: F401
+        from torch._inductor import cpu_vec_isa
+    except Exception:  # a warm-up only
+        return
 
     def probe() -> None:
         try:
-            cpu_vec_isa.pick_vec_isa()  # cached for the process (functools.cache)
+            cpu_vec_isa.pick_vec_isa()  # its answer is cached for the process (valid_vec_isa_list)
         except Exception:  # a warm-up only: the compile that needs the answer probes again
             pass
 

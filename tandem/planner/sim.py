@@ -200,6 +200,7 @@ class Prediction:
     samples_per_s: float = 0.0
     sends: list[tuple[float, int, int]] = field(default_factory=list, repr=False)  # worker 0: (time, param, slice)
     notices: int = 0  # RECEIVED notices worker 0 received over the whole simulation (p3)
+    replies: list[tuple[float, int, int]] = field(default_factory=list, repr=False)  # worker 0: (time, param, slice)
 
     def row(self) -> dict[str, float | str]:
         return {"mode": self.strategy.label, "samples/s": self.samples_per_s, "ms/iter": self.iteration_s * 1e3,
@@ -384,7 +385,7 @@ class _PSSim:
         self.rounds: dict[tuple[int, int, int], list[_Request]] = {}  # (param, slice, iteration) -> arrived
         self.done_rounds: set[tuple[int, int, int]] = set()
         self.waiting_pulls: dict[tuple[int, int, int], list[_Request]] = {}
-        self.inbox: list[list[_Request]] = [[] for _ in range(cluster.servers)]  # arrived, not polled yet
+        self.inbox: list[list[list[_Request]]] = [[] for _ in range(cluster.servers)]  # messages landed, not polled
         self.polling = [False] * cluster.servers  # the server's loop is serving a poll's requests
         self.held: list[dict[int, list[_Reply]]] = [{} for _ in range(cluster.servers)]  # per worker, until flushed
         self.missing = [[0] * len(workload.names) for _ in range(n_workers)]  # slices not back, per param
@@ -395,6 +396,7 @@ class _PSSim:
         self.waits: list[tuple[float, float]] = []  # worker 0
         self.backward_end: list[float] = []  # worker 0, per iteration
         self.sends: list[tuple[float, int, int]] = []
+        self.replies: list[tuple[float, int, int]] = []  # worker 0's answers received: (time, param, slice)
         self.notices = 0  # worker 0's
         self.network: list[tuple[float, float]] = []  # worker 0's messages between leaving and landing
 
@@ -515,14 +517,17 @@ class _PSSim:
     # the server: a loop that takes every request arrived so far (a poll), serves them one by one, then
     # sends the replies it held (server.Server.serve)
     def arrived(self, server: int, requests: list[_Request]) -> None:
-        self.inbox[server].extend(requests)
+        self.inbox[server].append(requests)
         if not self.polling[server]:
             self.poll(server)
 
     def poll(self, server: int) -> None:
-        """Take what arrived (at most ``MAX_BATCH`` requests); p3 serves them by priority, ties in arrival
-        order (``p3.PriorityReceive``), the plain server in arrival order. Idle once nothing waits."""
-        batch, self.inbox[server] = self.inbox[server][:MAX_BATCH], self.inbox[server][MAX_BATCH:]
+        """Take the messages landed so far, whole, until they hold ``MAX_BATCH`` requests (transport's poll);
+        p3 serves their requests by priority, ties in arrival order (``p3.PriorityReceive``), the plain
+        server in arrival order. Idle once nothing waits."""
+        inbox, batch = self.inbox[server], list[_Request]()
+        while inbox and len(batch) < MAX_BATCH:
+            batch.extend(inbox.pop(0))
         self.polling[server] = bool(batch)
         if self.s.mode == "p3":
             batch.sort(key=lambda request: -request.priority)  # stable
@@ -564,7 +569,7 @@ class _PSSim:
         def round_done() -> None:
             self.done_rounds.add(key)
             waiting = arrived if request.kind == "pushpull" else self.waiting_pulls.pop(key, [])
-            self.answer(ack + [_Reply(r, r.reply_bytes) for r in waiting], then)
+            self.answer([_Reply(r, r.reply_bytes) for r in waiting] + ack, then)  # _merge answers, then _push acks
 
         self.server_cpu[request.server].put(update, round_done)
 
@@ -572,23 +577,20 @@ class _PSSim:
         """Send ``replies``, then ``then``. The plain server holds replies per worker until its poll ends
         (``flush``) or they reach ``TANDEM_PS_COALESCE_BYTES`` (transport.ServerTransport.reply); the P3
         server sends each at once, and notices always go at once."""
-        if not replies:
-            then()
-            return
-        reply, rest = replies[0], replies[1:]
-        worker, server = reply.request.worker, reply.request.server
-        if reply.notice or self.s.mode == "p3" or self.coalesce_bytes <= 0:
-            self.send_replies(server, worker, [reply], lambda: self.answer(rest, then))
-            return
-        held = self.held[server].setdefault(worker, [])
-        if held and sum(r.nbytes for r in held) + reply.nbytes > self.coalesce_bytes:
-            self.send_replies(server, worker, self.held[server].pop(worker), lambda: self.answer(replies, then))
-            return
-        held.append(reply)
-        if sum(r.nbytes for r in held) >= self.coalesce_bytes or len(held) == MAX_BATCH_ENTRIES:
-            self.send_replies(server, worker, self.held[server].pop(worker), lambda: self.answer(rest, then))
-        else:
-            self.answer(rest, then)
+        for index, reply in enumerate(replies):  # a loop, not a call per reply: thousands of workers' replies
+            worker, server = reply.request.worker, reply.request.server
+            if reply.notice or self.s.mode == "p3" or self.coalesce_bytes <= 0:
+                self.send_replies(server, worker, [reply], partial(self.answer, replies[index + 1 :], then))
+                return
+            held = self.held[server].setdefault(worker, [])
+            if held and sum(r.nbytes for r in held) + reply.nbytes > self.coalesce_bytes:
+                self.send_replies(server, worker, self.held[server].pop(worker), partial(self.answer, replies[index:], then))
+                return
+            held.append(reply)
+            if sum(r.nbytes for r in held) >= self.coalesce_bytes or len(held) == MAX_BATCH_ENTRIES:
+                self.send_replies(server, worker, self.held[server].pop(worker), partial(self.answer, replies[index + 1 :], then))
+                return
+        then()
 
     def flush(self, server: int, then: Callable[[], None]) -> None:
         """The end of a poll: each worker's held replies leave, one message per worker."""
@@ -655,6 +657,8 @@ class _PSSim:
         self.pump(request.worker)
 
     def received(self, request: _Request) -> None:
+        if request.worker == 0:
+            self.replies.append((self.events.now, request.param, request.slice))
         self.release(request)
         worker, param = request.worker, request.param
         self.missing[worker][param] -= 1
@@ -674,7 +678,9 @@ class _PSSim:
         links = _union(self.network)
         waited = sum(b - a for a, b in waits) / measured
         exposed = sum(_overlap(a, b, links) for a, b in waits) / measured
-        return _prediction(self.w, self.c, self.s, iteration_s, exposed, waited - exposed, self.sends, self.notices)
+        found = _prediction(self.w, self.c, self.s, iteration_s, exposed, waited - exposed, self.sends, self.notices)
+        found.replies = self.replies
+        return found
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -108,9 +108,10 @@ def test_compile_report() -> None:
     assert tandem.compile(module, loss_fn, *batch).compile_report()["compile_s"] == 0  # aten compiles nothing
 
 
-def test_inductors_cpu_probe_runs_during_capture_and_compiling_waits_for_it() -> None:
+def test_inductors_cpu_probe_runs_during_capture_and_compiling_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     from tandem.backends import inductor
 
+    monkeypatch.setattr(inductor, "_warm_up", None)  # as in a new process: this capture must start it
     module, loss_fn, batch = zoo_case("mlp", torch.float32)
     step = tandem.compile(module, loss_fn, *batch, backend="inductor")
     assert inductor._warm_up is not None, "capture started the probe"

@@ -138,13 +138,15 @@ def test_the_plain_server_answers_a_poll_in_one_message_per_worker(monkeypatch: 
 
 
 def test_p3_serves_a_poll_by_priority_and_replies_at_once() -> None:
-    """p3, 1 worker: a segment's two gradients leave in one message, so the server takes both in one poll
-    and serves the higher priority (a, parameter 0) first, each reply leaving as it is served
-    (server_message_s 0.1 s per request and per reply): a's reply leaves at 0.2, b's at 0.4."""
-    workload = Workload(("a", "b"), (40, 40), (1.0,), ((0, 1),), (1.0,), ((1, 0),))
-    cluster = Cluster(1, 1, 1e30, latency_s=0.0, machine=dataclasses.replace(NO_COST, server_message_s=0.1))
-    result = simulate(workload, cluster, Strategy("p3", slice_size=10**7))
-    assert result.iteration_s == pytest.approx(2.4)  # compute 2 s, then b is back 0.4 s after backward
+    """p3, 1 worker, free links, the server 1 s per request and per reply. Backward finishes c (priority
+    -2) at 1.1, b (-1) at 1.2, a (0) at 1.3, each sent as its segment ends. c lands first and is
+    served alone (1.1-2.1, its reply 2.1-3.1); b and a land meanwhile and are the next poll, served by
+    priority: a (3.1-4.1, reply until 5.1), then b (5.1-6.1, reply until 7.1). In arrival order b
+    would be back at 5.1 and a at 7.1."""
+    workload = Workload(("a", "b", "c"), (40, 40, 40), (1.0,), ((0, 1, 2),), (0.1, 0.1, 0.1), ((2,), (1,), (0,)))
+    cluster = Cluster(1, 1, 1e30, latency_s=0.0, machine=dataclasses.replace(NO_COST, server_message_s=1.0))
+    replies = simulate(workload, cluster, Strategy("p3", slice_size=10**7)).replies
+    assert [(round(t, 9), param) for t, param, _ in replies[:3]] == [(3.1, 2), (5.1, 0), (7.1, 1)]
 
 
 def test_colocated_servers_share_their_workers_nic() -> None:
