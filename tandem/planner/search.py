@@ -78,17 +78,14 @@ class Target:
         if self.servers < 0:
             raise ValueError(f"servers must be >= 0, got {self.servers}")
         parse_rate(self.rate)
-        if self.colocated and self.servers > self.workers:
-            raise ValueError(f"colocated servers run on the workers' machines: at most {self.workers} servers, got "
-                             f"{self.servers}")  # fmt: skip
-        self.cluster()  # the rest of the checks
+        self.cluster()  # the rest of the checks (colocated: at most one server per worker)
 
     def cluster(self, workers: int | None = None, servers: int | None = None, rate: str | float | None = None) -> Cluster:
-        workers = self.workers if workers is None else workers
+        machines = self.workers if workers is None else workers
         servers = self.servers if servers is None else servers
-        if self.colocated:  # a sweep point of fewer machines has no more servers than machines
-            servers = min(servers, workers)
-        return Cluster(workers, servers, parse_rate(self.rate if rate is None else rate), self.latency_s, self.machine,
+        if self.colocated and workers is not None:  # a sweep point of fewer machines: at most a server on each
+            servers = min(servers, machines)
+        return Cluster(machines, servers, parse_rate(self.rate if rate is None else rate), self.latency_s, self.machine,
                        colocated=self.colocated)  # fmt: skip
 
 

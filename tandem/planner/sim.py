@@ -583,11 +583,12 @@ class _PSSim:
                 self.send_replies(server, worker, [reply], partial(self.answer, replies[index + 1 :], then))
                 return
             held = self.held[server].setdefault(worker, [])
-            if held and sum(r.nbytes for r in held) + reply.nbytes > self.coalesce_bytes:
+            total = sum(r.nbytes for r in held) + reply.nbytes
+            if held and total > self.coalesce_bytes:
                 self.send_replies(server, worker, self.held[server].pop(worker), partial(self.answer, replies[index:], then))
                 return
             held.append(reply)
-            if sum(r.nbytes for r in held) >= self.coalesce_bytes or len(held) == MAX_BATCH_ENTRIES:
+            if total >= self.coalesce_bytes or len(held) == MAX_BATCH_ENTRIES:
                 self.send_replies(server, worker, self.held[server].pop(worker), partial(self.answer, replies[index + 1 :], then))
                 return
         then()
