@@ -242,6 +242,9 @@ def _without_stack_traces() -> Iterator[None]:
     """Skip recording a Python stack per traced node (``node.meta["stack_trace"]``): tandem reads none,
     and extracting them costs about a tenth of a capture. Capture errors name the user's line from
     the exception's own traceback."""
+    if not hasattr(fx.config, "do_not_emit_stack_traces"):  # torch < 2.13 (a GPU image's own torch) records them
+        yield
+        return
     saved = fx.config.do_not_emit_stack_traces
     fx.config.do_not_emit_stack_traces = True
     try:

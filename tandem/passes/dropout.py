@@ -8,6 +8,10 @@ backward is one multiply. Without mirroring tandem keeps what eager keeps, in ea
 mirroring policies keep the 1-byte mask (3 bytes less per element) and replay dropout outputs
 from it, trading those conversions for memory. Same random draw either way: the CPU kernel draws
 a float Bernoulli tensor in both forms, so the RNG stream and the mask are those of eager.
+
+On CUDA (and the other devices ``at::dropout`` hands to ``native_dropout``: XPU, lazy, PrivateUse1)
+eager runs the fused ``native_dropout`` kernel itself, whose draw differs from a Bernoulli tensor's:
+there the captured node stays, so the masks are eager's there too.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tandem.graph.train_graph import TrainGraph
 from tandem.passes.config import PlanConfig
 
 aten = torch.ops.aten
+FUSED_DROPOUT_DEVICES = frozenset({"cuda", "xpu", "lazy", "privateuseone"})  # at::dropout's is_fused_kernel_acceptable
 
 
 def dropout_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
@@ -41,6 +46,9 @@ def _to_noise_form(graph: TrainGraph, dropout: fx.Node) -> None:
     backwards = list(mask.users) if mask is not None else []
     if not 0 < probability < 1 or output is None:
         return
+    value = source.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.device.type in FUSED_DROPOUT_DEVICES:
+        return  # eager's dropout is native_dropout itself there
     if any(user.target is not aten.native_dropout_backward.default for user in backwards):
         return  # the mask is read some other way: leave this dropout as captured
     keep = 1.0 - probability
