@@ -141,6 +141,35 @@ def test_peak_is_measured_and_mirroring_lowers_it() -> None:
     assert peaks["inductor", 0.5] < off, peaks
 
 
+def test_a_recompute_run_starts_a_unit_so_the_measured_peak_keeps_the_plan() -> None:
+    """One unit per phase let inductor hoist recomputations to the top of the backward (this gpt at
+    budget 0.4: 1.65x the planned peak); with a unit boundary before each recompute run it stays near
+    the plan, and below mirroring off."""
+    from tandem.graph.train_graph import MetaKey
+    from tandem.passes.segments import RECOMPUTE_UNIT_MIN_NODES, counts_toward_size
+
+    module, loss_fn, batch = zoo_case("gpt", torch.float32, batch_size=32)
+    off = tandem.compile(module, loss_fn, *batch, backend="inductor")
+    off(*batch)
+    step = tandem.compile(module, loss_fn, *batch, backend="inductor", mirror=0.4)
+    torch.manual_seed(1)
+    step(*batch)
+    report = step.memory_report()
+    assert report["peak_bytes"] <= 1.25 * report["estimated_peak_bytes"], report
+    assert report["peak_bytes"] < 0.75 * off.memory_report()["peak_bytes"]
+    nodes = step.graph.op_nodes()
+    size, starts = 0, 0
+    for previous, node in zip(nodes, nodes[1:]):
+        new_unit = node.meta[MetaKey.SEGMENT] != previous.meta[MetaKey.SEGMENT]
+        size = 0 if new_unit else size + counts_toward_size(previous)
+        if MetaKey.RECOMPUTE_OF in node.meta and MetaKey.RECOMPUTE_OF not in previous.meta:
+            assert new_unit or size + 1 < RECOMPUTE_UNIT_MIN_NODES, node.name
+            starts += new_unit
+    assert starts > 1, "the backward is cut before recompute runs"
+    aten = tandem.compile(module, loss_fn, *batch, backend="aten", mirror=0.4, bulk_fwd=10**6, bulk_bwd=10**6)
+    assert len({n.meta[MetaKey.SEGMENT] for n in aten.graph.op_nodes()}) == 2, "aten runs nodes in order: no cuts"
+
+
 # -- a segment inductor cannot compile --------------------------------------------------------
 
 
