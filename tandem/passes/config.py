@@ -117,9 +117,10 @@ class PlanConfig:
                 checkpoint_regions: bool = True, backend: str | None = None) -> PlanConfig:
         """Explicit values beat the knobs (TANDEM_MIRROR, TANDEM_BULK_*, TANDEM_BACKEND); None takes the knob.
 
-        With the inductor backend a phase is one segment unless a cap is given: a compiled unit fuses
-        more the larger it is, and only gradient hooks (a distributed update) need boundaries, which
-        ``Trainer`` asks for by passing the caps.
+        With the inductor backend a phase is one segment unless a cap is given (or recomputation
+        cuts the backward: ``segments_pass``): a compiled unit fuses more the larger it is, and only
+        gradient hooks (a distributed update) need boundaries, which ``Trainer`` asks for by passing
+        the caps.
         """
         policy = mirror if isinstance(mirror, MirrorPolicy) else MirrorPolicy.parse(mirror)
         backend = knob("TANDEM_BACKEND") if backend is None else backend

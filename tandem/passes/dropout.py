@@ -29,6 +29,14 @@ aten = torch.ops.aten
 FUSED_DROPOUT_DEVICES = frozenset({"cuda", "xpu", "lazy", "privateuseone"})  # at::dropout's is_fused_kernel_acceptable
 
 
+def eager_runs_native_dropout(device: torch.device) -> bool:
+    """Whether eager's ``F.dropout`` on ``device`` is the fused ``native_dropout`` kernel (not the noise form).
+
+    A PrivateUse1 backend usually renames itself (``rename_privateuse1_backend("npu")``): its tensors
+    report that name as their device type."""
+    return device.type in FUSED_DROPOUT_DEVICES or device.type == torch._C._get_privateuse1_backend_name()
+
+
 def dropout_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
     """Rewrite training ``native_dropout`` into eager's noise form when the mirror policy is off."""
     if config.mirror.name != "off":
@@ -47,7 +55,9 @@ def _to_noise_form(graph: TrainGraph, dropout: fx.Node) -> None:
     if not 0 < probability < 1 or output is None:
         return
     value = source.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.device.type in FUSED_DROPOUT_DEVICES:
+    if not isinstance(value, torch.Tensor):
+        return  # no traced value to tell the device by: native_dropout is exact everywhere, only slower on the CPU
+    if eager_runs_native_dropout(value.device):
         return  # eager's dropout is native_dropout itself there
     if any(user.target is not aten.native_dropout_backward.default for user in backwards):
         return  # the mask is read some other way: leave this dropout as captured

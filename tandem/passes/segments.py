@@ -7,13 +7,13 @@ kernel, and cutting or counting at them is what kept MXNet's old segments under 
 and backward have separate caps because a backward segment's gradients cannot be sent before the
 segment ends: smaller backward segments let communication start earlier.
 
-With the inductor backend a phase is one compiled unit, and inductor reorders a unit's nodes: it
-moves a pointwise node up next to its inputs' producers (``reorder_for_locality``) and fuses nodes
-that share reads. A recomputation the mirror pass put just before its consumer would then run near
-the top of the backward and live through it: gpt at a budget of 0.4 peaked at 34.2 MiB as one unit
-against 16.5 MiB planned. So there a run of recomputed nodes starts a new unit once the unit holds
-``RECOMPUTE_UNIT_MIN_NODES``: it cannot be hoisted above that boundary (16.3 MiB measured), and
-the units stay large enough to fuse (a boundary before every run: 18.3 MiB, and up to a third slower).
+With the inductor backend a phase is one compiled unit, and inductor does not keep a unit's node
+order: it fuses and reorders kernels, and recomputed values it produced early lived through much of
+the backward (gpt at a budget of 0.4 peaked at 34.2 MiB as one unit against 16.5 MiB planned). So
+there a run of recomputed nodes (mirrored, or from a ``torch.utils.checkpoint`` region) starts a new
+unit if the current unit already holds ``RECOMPUTE_UNIT_MIN_NODES`` counted nodes; a run that comes
+earlier stays in the unit. Nothing is computed across a boundary early, and the units stay large
+enough to fuse (a boundary before every run kept the peak too, at up to a third more step time).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = ["WHOLE", "BulkCaps", "counts_toward_size", "resolve_caps", "segments_
 
 RECOMPUTE_UNIT_MIN_NODES = 40  # inductor: counted nodes a unit holds before a recompute run may start the next
 
+
 def counts_toward_size(node: object) -> bool:
     return getattr(node, "target", None) is not operator.getitem
 
@@ -36,15 +37,17 @@ def segments_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
     caps = BulkCaps(WHOLE, WHOLE) if graph.inference and config.whole_inference else config.caps
     segment, size, phase = -1, 0, None
     keep_recompute_in_place = config.backend == "inductor"  # see the module docstring
-    after_recompute = False
+    after_recompute = False  # the last counted node was a recomputation
     for node in graph.op_nodes():
         node_phase = graph.phase_of(node)
         cap = caps.forward if node_phase == Phase.FORWARD else caps.backward
         counted = counts_toward_size(node)
         recompute = MetaKey.RECOMPUTE_OF in node.meta
-        starts_recompute_run = recompute and not after_recompute and size >= RECOMPUTE_UNIT_MIN_NODES
-        after_recompute = recompute
-        if node_phase != phase or (counted and size >= cap) or (keep_recompute_in_place and starts_recompute_run):
+        cut_before_recompute = (keep_recompute_in_place and counted and recompute and not after_recompute
+                                and size >= RECOMPUTE_UNIT_MIN_NODES)  # fmt: skip
+        if counted:
+            after_recompute = recompute
+        if node_phase != phase or (counted and size >= cap) or cut_before_recompute:
             segment, size, phase = segment + 1, 0, node_phase
         node.meta[MetaKey.SEGMENT] = segment
         size += counted

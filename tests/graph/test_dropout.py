@@ -60,3 +60,26 @@ def test_mirroring_keeps_the_one_byte_mask(policy: object) -> None:
     masks = [n for n in step.graph.op_nodes() if n.target is operator.getitem
              and getattr(n.args[0], "target", None) is aten.native_dropout.default and n.args[1] == 1]
     assert len(masks) == 2 and all(n.meta["val"].dtype == torch.bool for n in masks)
+
+
+def test_where_eager_runs_the_fused_kernel_native_dropout_stays() -> None:
+    """On CUDA eager's dropout is native_dropout's fused kernel, whose draw is not a Bernoulli tensor's:
+    the pass leaves it (a graph traced for CUDA, made here by giving the dropout inputs fake CUDA values)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tandem.graph.capture import capture
+    from tandem.passes.config import PlanConfig
+    from tandem.passes.dropout import dropout_pass, eager_runs_native_dropout
+
+    assert eager_runs_native_dropout(torch.device("cuda")) and not eager_runs_native_dropout(torch.device("cpu"))
+    torch.manual_seed(0)
+    graph = capture(Dropped(), loss_sum, (torch.randn(4, 16),))
+    dropouts = [n for n in graph.op_nodes() if n.target is aten.native_dropout.default]
+    assert len(dropouts) == 2
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for node in dropouts:
+            source = node.args[0]
+            source.meta["val"] = torch.empty(source.meta["val"].shape, device="cuda")
+    dropout_pass(graph, PlanConfig())
+    assert [n for n in graph.op_nodes() if n.target is aten.native_dropout.default] == dropouts
+    assert aten.bernoulli.p not in {n.target for n in graph.op_nodes()}
