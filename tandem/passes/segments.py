@@ -28,7 +28,7 @@ from tandem.passes.config import WHOLE, BulkCaps, PlanConfig, resolve_caps
 __all__ = ["WHOLE", "BulkCaps", "counts_toward_size", "resolve_caps", "segments_pass"]
 
 RECOMPUTE_UNIT_MIN_NODES = 40  # inductor: counted nodes a unit holds before a recompute run may start the next
-RECOMPUTE_UNITS_MAX = 10  # ... and at least this fraction of the backward's, so a long backward is cut a few times
+RECOMPUTE_UNITS_MAX = 10  # ... and 1/this of the backward's nodes: a long backward gets at most about this many units
 
 
 def counts_toward_size(node: object) -> bool:

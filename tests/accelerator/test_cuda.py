@@ -1,4 +1,4 @@
-"""tandem on a CUDA device: the same checks against eager PyTorch that the CPU suite makes.
+"""tandem on a CUDA device: the CPU suite's main checks against eager PyTorch, on the GPU.
 
 CI has no GPU, so this module skips there; it runs wherever ``torch.cuda.is_available()``
 (``pytest tests/accelerator``). What it holds to eager autograd on the device:
