@@ -73,6 +73,16 @@ def assert_same_step(step_result: Any, eager_loss: torch.Tensor, eager_grads: di
         torch.testing.assert_close(step_result.grads[name], grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def assert_same_state(module: nn.Module, reference: nn.Module, rtol: float, atol: float,
+                      device_type: str | None = None) -> None:
+    """Every parameter and buffer (BatchNorm's running stats: written back by the step) equal to eager's,
+    and, where device_type is given, on that device."""
+    ours = module.state_dict()
+    for name, expected in reference.state_dict().items():
+        assert device_type is None or ours[name].device.type == device_type, (name, ours[name].device)
+        torch.testing.assert_close(ours[name], expected, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.fixture(params=["mlp", "resnet", "vgg", "lstm_lm", "gpt"])
 def zoo_name(request: pytest.FixtureRequest) -> str:
     return request.param

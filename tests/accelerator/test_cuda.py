@@ -26,7 +26,7 @@ from torch import nn
 import tandem
 from tandem import optim
 from tandem.testing.reference import eager_train
-from tests.conftest import assert_same_step, eager_step, twin, zoo_case
+from tests.conftest import assert_same_state, assert_same_step, eager_step, twin, zoo_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -64,13 +64,6 @@ def device_real_case(name: str) -> tuple[nn.Module, Any, tuple[Any, ...]]:
     return module, entry.loss_fn, on_device(entry.make_batch(3, torch.Generator().manual_seed(0), torch.float32))
 
 
-def assert_same_state(module: nn.Module, reference: nn.Module, rtol: float, atol: float) -> None:
-    ours = module.state_dict()
-    for name, expected in reference.state_dict().items():
-        assert ours[name].device.type == "cuda", name
-        torch.testing.assert_close(ours[name], expected, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_zoo_step_matches_eager_on_cuda(zoo_name: str, dtype: torch.dtype) -> None:
     module, loss_fn, batch = device_zoo_case(zoo_name, dtype)
@@ -81,7 +74,7 @@ def test_zoo_step_matches_eager_on_cuda(zoo_name: str, dtype: torch.dtype) -> No
     eager_loss, eager_grads = eager_step(reference, loss_fn, batch, seed=7)
     assert all(grad.device.type == "cuda" for grad in result.grads.values())
     assert_same_step(result, eager_loss, eager_grads, **TOLERANCE[dtype])
-    assert_same_state(module, reference, **TOLERANCE[dtype])  # BatchNorm's running stats
+    assert_same_state(module, reference, **TOLERANCE[dtype], device_type="cuda")  # BatchNorm's running stats
 
 
 @pytest.mark.parametrize("name", REAL)
@@ -103,7 +96,7 @@ def test_inductor_trainer_matches_eager_on_cuda(zoo_name: str) -> None:
     torch.manual_seed(5)
     expected = eager_train(reference, loss_fn, batch, torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM), 10)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOLERANCE[torch.float32])
-    assert_same_state(module, reference, **TOLERANCE[torch.float32])
+    assert_same_state(module, reference, **TOLERANCE[torch.float32], device_type="cuda")
 
 
 @pytest.mark.parametrize("backend", ["aten", "inductor"])
@@ -131,4 +124,4 @@ def test_trainer_with_local_kvstore_matches_torch_optim_on_cuda() -> None:
     finally:
         trainer.close()
     eager_train(reference, loss_fn, batch, torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=1e-2), 3)
-    assert_same_state(module, reference, **TOLERANCE[torch.float64])
+    assert_same_state(module, reference, **TOLERANCE[torch.float64], device_type="cuda")

@@ -26,7 +26,7 @@ from tandem import optim
 from tandem.testing.real_models import NAMED, REAL_MODELS, UNNAMED
 from tandem.testing.reference import eager_train
 from tandem.testing.torchvision_compat import ensure_importable
-from tests.conftest import assert_same_step, eager_step, twin
+from tests.conftest import assert_same_state, assert_same_step, eager_step, twin
 
 ensure_importable()  # before pytest.importorskip imports timm or transformers (they import torchvision)
 
@@ -51,13 +51,6 @@ def _case(name: str, dtype: torch.dtype, seed: int = 0) -> tuple[nn.Module, Loss
     return module, entry.loss_fn, batch
 
 
-def _assert_same_state(module: nn.Module, reference: nn.Module, rtol: float, atol: float) -> None:
-    ours = module.state_dict()
-    for name, expected in reference.state_dict().items():
-        torch.testing.assert_close(ours[name], expected, rtol=rtol, atol=atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
-
-
 def test_registry_names_the_promised_architectures_and_pads_lm_batches() -> None:
     assert {"gpt2", "llama", "mistral", "t5", "bert", "vit", "timm_resnet", "timm_convnext",
             "timm_efficientnet", "timm_vit"} <= {entry.name for entry in NAMED}
@@ -78,7 +71,7 @@ def test_step_matches_eager_autograd(name: str, dtype: torch.dtype) -> None:
     result = tandem.compile(module, loss_fn, *batch)(*batch)
     eager_loss, eager_grads = eager_step(reference, loss_fn, batch)
     assert_same_step(result, eager_loss, eager_grads, **TOLERANCE[dtype])
-    _assert_same_state(module, reference, **TOLERANCE[dtype])  # BatchNorm running stats written back
+    assert_same_state(module, reference, **TOLERANCE[dtype])  # BatchNorm running stats written back
 
 
 @pytest.mark.parametrize("name", ENTRIES)
@@ -112,7 +105,7 @@ def test_trainer_matches_torch_optim(name: str) -> None:
         torch_optimizer.zero_grad()
         loss_fn(reference, *batch).backward()
         torch_optimizer.step()
-    _assert_same_state(module, reference, **TOLERANCE[torch.float64])
+    assert_same_state(module, reference, **TOLERANCE[torch.float64])
 
 
 
