@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 from bench.common import OUT, command_line, markdown_table, write_report  # noqa: E402
 from bench.p3 import MODELS  # noqa: E402
 
-MODES = ("baseline", "overlap", "p3")
+MODES = ("baseline", "overlap", "p3", "collective")
+PS_MODES = MODES[:3]  # a config WxS with S >= 1 runs these; Wx0 runs collective (no servers)
 UNSHAPED = "100gbit"  # what the plan assumes for "none" (loopback)
 
 
@@ -90,20 +91,21 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
         for model in args.models:
             found = _profile(model, out / f"profile_{model}.json")
             entry_name, config, batch_size = MODELS[model]
+            modes = PS_MODES if servers else ("collective",)
             for rate in args.rates:
-                for mode in MODES:
+                for mode in modes:
                     key = _key(model, workers, servers, rate, mode)
                     if key in done:
                         continue
                     background = background_threads()  # other work on the machine, just before the job
-                    target = Target(workers, servers, UNSHAPED if rate == "none" else rate, modes=MODES,
+                    target = Target(workers, servers, UNSHAPED if rate == "none" else rate, modes=modes,
                                     compressions=(), machine=dataclasses.replace(machine, background=background),
                                     sweep=False)  # fmt: skip
                     predicted = search(found, target).prediction(mode)
                     assert predicted is not None
                     strategy = predicted.strategy
                     env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(strategy.slice_size),
-                           "TANDEM_PS_WATER_MARK": str(strategy.water_mark)} if mode == "p3" else {}  # fmt: skip
+                           "TANDEM_PS_WATER_MARK": str(strategy.water_mark)} if mode in ("p3", "collective") else {}  # fmt: skip
                     job = Job(entry_name, config, batch_size, mode, runs=args.runs, steps=args.steps)
                     start, load = time.time(), os.getloadavg()[0]
                     try:
@@ -196,7 +198,7 @@ def resimulate(row: dict[str, Any], out: Path, background: float = 0.0) -> float
 
     recorded = Machine(**row["machine"]) if "machine" in row else load(out / "machine.json")  # as it was planned
     machine = dataclasses.replace(recorded, background=background)
-    knobs = re.match(r"p3 \((\d+)k, wm (\d+)\)", row["label"])
+    knobs = re.match(r"(?:p3|collective) \((\d+)k, wm (\d+)\)", row["label"])
     strategy = Strategy(row["mode"], int(knobs[1]) * 1000, int(knobs[2])) if knobs else Strategy(row["mode"])
     cluster = Cluster(row["workers"], row["servers"], parse_rate(UNSHAPED if row["rate"] == "none" else row["rate"]),
                       machine=machine)  # fmt: skip
@@ -262,7 +264,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--configs", nargs="+", default=["2x2", "2x1", "3x2", "3x1"], help="WORKERSxSERVERS")
+    parser.add_argument("--configs", nargs="+", default=["2x2", "2x1", "3x2", "3x1", "2x0", "3x0"],
+                        help="WORKERSxSERVERS (x0: the collective mode, no servers)")
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "none"], help="tc rates, or 'none'")
     parser.add_argument("--runs", type=int, default=5, help="runs per job (median; >= 5)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run")

@@ -17,7 +17,7 @@ from tandem.planner.sim import MODES, Machine
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The cluster, search and output options (the CLI adds the model's own)."""
     parser.add_argument("--workers", type=int, default=16, help="workers (>= 1)")
-    parser.add_argument("--servers", type=int, default=4, help="parameter servers (>= 1; 0 only with --modes allreduce)")
+    parser.add_argument("--servers", type=int, default=4, help="parameter servers (>= 1; 0 only with --modes allreduce collective)")
     parser.add_argument("--link", default="10gbit", help="every host's link rate, each way: 100mbit, 10gbit, 12.5mbps, ...")
     parser.add_argument("--latency-us", type=float, default=50.0, help="one-way latency between two hosts, microseconds")
     parser.add_argument("--colocated", action="store_true",

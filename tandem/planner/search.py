@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.planner.profile import Profile
-from tandem.planner.sim import MODES, PS_MODES, Cluster, Machine, Prediction, Strategy, Workload, simulate
+from tandem.planner.sim import (
+    MODES,
+    PS_MODES,
+    SLICED_MODES,
+    Cluster,
+    Machine,
+    Prediction,
+    Strategy,
+    Workload,
+    simulate,
+)
 
 SLICE_SIZES = (5_000, 10_000, 20_000, 40_000, 80_000, 160_000, 320_000)  # the tuner's grid (p3_tuner.py)
 WATER_MARKS = (1, 2, 4, 10, 20, 40, 80, 160)
@@ -74,7 +84,7 @@ class Target:
             raise ValueError(f"modes must be some of {MODES}, got {list(self.modes)}")
         if any(m in PS_MODES for m in self.modes) and not (isinstance(self.servers, int) and self.servers >= 1):
             raise ValueError(f"servers must be an int >= 1 for the parameter-server modes {PS_MODES}, got "
-                             f"{self.servers!r} (0 servers: the allreduce mode alone, --modes allreduce)")  # fmt: skip
+                             f"{self.servers!r} (0 servers: the modes without servers alone, --modes allreduce collective)")  # fmt: skip
         if self.servers < 0:
             raise ValueError(f"servers must be >= 0, got {self.servers}")
         parse_rate(self.rate)
@@ -121,7 +131,7 @@ class Plan:
                          f"{p.compute_s * 1e3:>9.1f}{p.exposed_s * 1e3:>13.1f}{p.idle_s * 1e3:>8.1f}{mark}")  # fmt: skip
         lines.append("")
         s = self.best.strategy
-        knobs = f", slice size {s.slice_size}, water mark {s.water_mark}" if s.mode == "p3" else ""
+        knobs = f", slice size {s.slice_size}, water mark {s.water_mark}" if s.mode in SLICED_MODES else ""
         baseline = self.prediction("baseline")
         versus = f", {self.best.samples_per_s / baseline.samples_per_s:.2f}x baseline" if baseline else ""
         servers = self.best.cluster.servers
@@ -165,11 +175,12 @@ class Plan:
 
 
 def best_strategy(workload: Workload, cluster: Cluster, mode: str) -> Prediction:
-    """The mode at its best knobs: p3's slice size at water mark 10, then its water mark (ties: bigger)."""
-    if mode != "p3":
+    """The mode at its best knobs: p3's (or collective's) slice size at water mark 10, then its water mark
+    (ties: bigger)."""
+    if mode not in SLICED_MODES:
         return simulate(workload, cluster, Strategy(mode))  # type: ignore[arg-type]
-    best = _walk(workload, cluster, [Strategy("p3", size, 10) for size in SLICE_SIZES])
-    return _walk(workload, cluster, [Strategy("p3", best.strategy.slice_size, mark) for mark in WATER_MARKS])
+    best = _walk(workload, cluster, [Strategy(mode, size, 10) for size in SLICE_SIZES])  # type: ignore[arg-type]
+    return _walk(workload, cluster, [Strategy(mode, best.strategy.slice_size, mark) for mark in WATER_MARKS])  # type: ignore[arg-type]
 
 
 def _walk(workload: Workload, cluster: Cluster, strategies: list[Strategy]) -> Prediction:

@@ -13,7 +13,12 @@ What it simulates, per mode (``Strategy.mode``), for ``Cluster.workers`` identic
     served by priority on the servers;
   - in ``overlap`` and ``p3`` the next forward starts each segment once the parameters it reads are back;
   - ``allreduce``: no servers; gradients bucketed in backward order, each bucket ring-all-reduced
-    when its last gradient is ready, one bucket at a time (``allreduce_seconds``).
+    when its last gradient is ready, one bucket at a time (``allreduce_seconds``);
+  - ``collective``: no servers; tandem's collective kvstore (``_CollectiveSim``): a backward
+    segment's gradients cut into slices, agreed in a round (a small all-reduce) and queued by
+    priority, small ones fused up to a slice; one ring all-reduce at a time, at most ``water_mark``
+    issued ahead of their completion, each completion refilled by a round; the next forward starts
+    each segment once the parameters it reads are summed.
 The network: every host (worker or server) has a full-duplex NIC, an uplink and a downlink of
 ``rate`` each, FIFO. A message holds its sender's uplink for ``bytes / rate``; its head reaches the
 receiver's downlink ``latency`` later (cut-through), where it queues behind what that downlink
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,8 +60,9 @@ from tandem.kvstore.ps.placement import RangePlacement, RoundRobinPlacement, Sli
 from tandem.kvstore.ps.protocol import MAX_BATCH_ENTRIES
 from tandem.kvstore.ps.transport import MAX_BATCH
 
-Mode = Literal["baseline", "overlap", "p3", "allreduce"]
-MODES: tuple[Mode, ...] = ("baseline", "overlap", "p3", "allreduce")
+Mode = Literal["baseline", "overlap", "p3", "allreduce", "collective"]
+MODES: tuple[Mode, ...] = ("baseline", "overlap", "p3", "allreduce", "collective")
+SLICED_MODES = ("p3", "collective")  # the modes with a slice size and a water mark to tune
 PS_MODES = ("baseline", "overlap", "p3")
 COMPRESSION_RATIO = {"none": 1, "fp16": 2, "bf16": 2, "2bit": 16}  # float32 bytes / bytes on the wire
 INF = math.inf
@@ -165,7 +172,7 @@ class Strategy:
 
     mode: Mode = "p3"
     slice_size: int = 40_000  # elements per slice (p3)
-    water_mark: int = 10  # requests in flight per worker (p3)
+    water_mark: int = 10  # requests in flight per worker (p3), collectives in flight (collective)
     compression: str = "none"  # none, fp16, bf16, 2bit: pushes (and all-reduce) shrink by its ratio
     update_on: Literal["servers", "workers"] = "servers"  # workers: the pulled sums are compressed too
     bucket_bytes: int = 25 * 2**20  # allreduce: DDP's bucket size
@@ -183,7 +190,7 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        knobs = f" ({self.slice_size // 1000}k, wm {self.water_mark})" if self.mode == "p3" else ""
+        knobs = f" ({self.slice_size // 1000}k, wm {self.water_mark})" if self.mode in SLICED_MODES else ""
         return self.mode + knobs + ("" if self.compression == "none" else f" +{self.compression}")
 
 
@@ -214,6 +221,8 @@ def simulate(workload: Workload, cluster: Cluster, strategy: Strategy, iteration
         raise ValueError(f"iterations must be >= 3 (one to fill the pipeline, two to measure), got {iterations}")
     if strategy.mode == "allreduce":
         return _allreduce(workload, cluster, strategy)
+    if strategy.mode == "collective":
+        return _CollectiveSim(workload, cluster, strategy, iterations).run()
     if cluster.servers < 1:
         raise ValueError(f"mode {strategy.mode!r} needs servers >= 1 (1 to any number), got {cluster.servers}")
     return _PSSim(workload, cluster, strategy, iterations).run()
@@ -736,3 +745,147 @@ def _allreduce(workload: Workload, cluster: Cluster, strategy: Strategy) -> Pred
         busy_until = max(busy_until, ready) + allreduce_seconds(nbytes, cluster)
     exposed = max(0.0, busy_until - clock)
     return _prediction(workload, cluster, strategy, clock + exposed, exposed, 0.0)
+
+
+class _CollectiveSim:
+    """tandem's collective kvstore (``kvstore/collective/scheduler.py``) on identical workers, so one
+    worker stands for all: they submit, agree and issue alike, and a collective completes everywhere
+    at once. A backward segment's gradients are submitted together; a round (an all-reduce of a few
+    integers, one at a time) agrees on them and on the completions so far, then issues from the
+    priority queue while fewer than ``water_mark`` collectives are in flight (one where none is).
+    The ring runs one collective at a time. A completion with slices still queued asks for a round.
+
+    CPU: a collective (a round too) takes ``allreduce_seconds`` on the ring, and its worker's CPU
+    ``2 (W-1)`` steps of a send and a receive (``message_s`` each, ``byte_s`` per byte); it ends once
+    both are done. That CPU shares the worker's cores with its compute (``CPU``; on a shared host
+    each worker has ``cores / W`` of them), so communication slows compute where cores are few."""
+
+    def __init__(self, workload: Workload, cluster: Cluster, strategy: Strategy, iterations: int) -> None:
+        self.w, self.c, self.s, self.iterations = workload, cluster, strategy, iterations
+        self.events = Events()
+        self.ratio = COMPRESSION_RATIO[strategy.compression]
+        size = strategy.slice_size
+        self.slices = [[min(size, b // 4 - start) for start in range(0, max(b // 4, 1), size)] for b in workload.param_bytes]
+        machine = cluster.machine
+        share = cluster.workers if machine.shared_host else 1  # identical workers split a shared host evenly
+        self.cpu = CPU(self.events, machine.cores / share, machine.background / share)
+        self.ring: deque[list[tuple[int, int, int]]] = deque()  # issued, waiting for the ring
+        self.ring_busy = False
+        self.submitted: list[tuple[int, int, int]] = []  # (param, slice, iteration) not yet agreed
+        self.queue: list[tuple[int, int, int, int]] = []  # heap of (param, slice, order, iteration): -param is the priority
+        self.order = 0
+        self.in_flight, self.completed_unseen = 0, 0  # completions since the last round
+        self.rounding = False
+        self.missing = [0] * len(workload.names)
+        self.back = [-1] * len(workload.names)
+        self.position, self.computing = (0, 0), False
+        self.wait_since: float | None = None
+        self.waits: list[tuple[float, float]] = []
+        self.backward_end: list[float] = []
+        self.sends: list[tuple[float, int, int]] = []
+
+    def advance(self) -> None:
+        iteration, index = self.position
+        if self.computing or iteration >= self.iterations:
+            return
+        n_forward = len(self.w.forward_s)
+        if index < n_forward:
+            if any(self.back[p] < iteration - 1 for p in self.w.forward_reads[index]):
+                self.wait_since = self.events.now if self.wait_since is None else self.wait_since
+                return
+            seconds = self.w.forward_s[index]
+        else:
+            seconds = self.w.backward_s[index - n_forward]
+        if self.wait_since is not None:
+            self.waits.append((self.wait_since, self.events.now))
+            self.wait_since = None
+        self.computing = True
+        self.cpu.run(seconds, partial(self.segment_done, iteration, index))
+
+    def collective(self, nbytes: float, done: Callable[[], None]) -> None:
+        """An all-reduce of ``nbytes``: ``done`` once the ring's time has passed and this worker's CPU for it is spent."""
+        steps, machine = 2 * (self.c.workers - 1), self.c.machine
+        cpu_s = steps * 2 * machine.message_s + 2 * steps / self.c.workers * nbytes * machine.byte_s
+        left = [2]
+
+        def part() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                done()
+
+        self.events.at(self.events.now + allreduce_seconds(nbytes, self.c), part)
+        self.cpu.run(cpu_s, part)
+
+    def segment_done(self, iteration: int, index: int) -> None:
+        n_forward, n_backward = len(self.w.forward_s), len(self.w.backward_s)
+        self.computing = False
+        if index >= n_forward:
+            for param in self.w.backward_grads[index - n_forward]:  # kv.batched(): one round sees them all
+                self.missing[param] = len(self.slices[param])
+                self.submitted.extend((param, number, iteration) for number in range(len(self.slices[param])))
+            self.round()
+        last = index == n_forward + n_backward - 1
+        if last:
+            self.backward_end.append(self.events.now)
+        self.position = (iteration + 1, 0) if last else (iteration, index + 1)
+        self.advance()
+
+    def round(self) -> None:
+        """Start a round unless one runs (its end looks whether there is something new to agree on)."""
+        if self.rounding:
+            return
+        self.rounding, agreed, seen = True, self.submitted, self.completed_unseen
+        self.submitted, self.completed_unseen = [], 0
+
+        def agreed_now() -> None:
+            self.rounding = False
+            for param, number, iteration in agreed:
+                heapq.heappush(self.queue, (param, number, self.order, iteration))
+                self.order += 1
+            self.in_flight -= seen  # the completions this round saw free their credit
+            while self.queue and (self.in_flight < self.s.water_mark or self.in_flight == 0):
+                self.issue()
+            if self.submitted or (self.queue and self.completed_unseen):  # the scheduler's _wants_round
+                self.round()
+
+        self.collective(0.0, agreed_now)
+
+    def issue(self) -> None:
+        """The next collective: the head of the queue, fused with the slices behind it while they fit in one slice."""
+        param, number, _, iteration = heapq.heappop(self.queue)
+        unit, numel = [(param, number, iteration)], self.slices[param][number]
+        while self.queue and numel + self.slices[self.queue[0][0]][self.queue[0][1]] <= self.s.slice_size:
+            following, following_number, _, following_iteration = heapq.heappop(self.queue)
+            unit.append((following, following_number, following_iteration))
+            numel += self.slices[following][following_number]
+        self.in_flight += 1
+        self.sends.extend((self.events.now, p, n) for p, n, _ in unit)
+        self.ring.append(unit)
+        self.next_on_ring()
+
+    def next_on_ring(self) -> None:
+        if self.ring and not self.ring_busy:
+            self.ring_busy, unit = True, self.ring.popleft()
+            numel = sum(self.slices[param][number] for param, number, _ in unit)
+            self.collective(numel * 4 / self.ratio, partial(self.complete, unit))
+
+    def complete(self, unit: list[tuple[int, int, int]]) -> None:
+        self.ring_busy = False
+        self.next_on_ring()
+        self.completed_unseen += 1
+        for param, _, iteration in unit:
+            self.missing[param] -= 1
+            if self.missing[param] == 0:
+                self.back[param] = iteration
+        if self.queue:
+            self.round()
+        self.advance()
+
+    def run(self) -> Prediction:
+        self.advance()
+        self.events.run()
+        ends = self.backward_end
+        measured = len(ends) - 2
+        iteration_s = (ends[-1] - ends[1]) / measured
+        waited = sum(min(b, ends[-1]) - max(a, ends[1]) for a, b in self.waits if b > ends[1] and a < ends[-1])
+        return _prediction(self.w, self.c, self.s, iteration_s, waited / measured, 0.0, self.sends)

@@ -3,10 +3,10 @@
 The plan it checks is made for this machine (``--validate`` implies ``--here``: every worker and
 server shares this host's cores, with the other work running as it was planned).
 
-Each mode that tandem can run (baseline, overlap, p3 at the plan's knobs) runs as a ``tandem launch``
-job of the plan's workers and servers, every process in its own network namespace with its link
-shaped to the plan's rate (``--netns-rate``; as root), one torch thread each, server-side SGD. Each
-worker times ``runs`` runs of ``steps`` steps in steady state (as bench/p3.py does: one untimed step
+Each mode that tandem can run (baseline, overlap, p3 and collective at the plan's knobs) runs as a
+``tandem launch`` job of the plan's workers and servers (collective: no servers), every process in
+its own network namespace with its link shaped to the plan's rate (``--netns-rate``; as root), one
+torch thread each, SGD on the servers (collective: on the workers). Each worker times ``runs`` runs of ``steps`` steps in steady state (as bench/p3.py does: one untimed step
 primes the pipeline, the drain after a run is untimed); a run's time is its slowest worker's; the
 median run counts. Models are zoo models fed by their ``make_batch``.
 """
@@ -23,9 +23,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tandem.planner.search import Plan
+from tandem.planner.sim import SLICED_MODES
 
 MARK = "PLANJOB "
-KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3"}
+KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "collective": "collective"}
+COMMUNICATION = {"collective": "p3"}  # the Trainer's communication of a mode, where it is not the mode's name
 JOB_TIMEOUT = 600
 
 
@@ -57,7 +59,7 @@ def run_job(job: Job) -> None:
     module = entry.build(**job.config)
     batch = entry.make_batch(job.batch_size, torch.Generator().manual_seed(job.seed + 1), **job.config)
     trainer = Trainer(module, entry.loss_fn, optim.SGD(lr=0.01, momentum=0.9), kvstore=KINDS[job.mode],
-                      communication=job.mode, progress=False,
+                      communication=COMMUNICATION.get(job.mode, job.mode), progress=False,
                       gradient_compression=None if job.compression == "none" else job.compression)  # fmt: skip
     for _ in range(job.warmup):
         trainer.step(*batch)
@@ -105,9 +107,10 @@ def validate(result: Plan, model: str, config: dict[str, Any], modes: list[str],
             continue
         strategy = predicted.strategy
         env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(strategy.slice_size),
-               "TANDEM_PS_WATER_MARK": str(strategy.water_mark)} if mode == "p3" else {}  # fmt: skip
+               "TANDEM_PS_WATER_MARK": str(strategy.water_mark)} if mode in SLICED_MODES else {}  # fmt: skip
         job = Job(model, config, result.profile.batch_size, mode, runs=runs, steps=steps)
-        rows.append((strategy.label, predicted.samples_per_s, measure(job, cluster.workers, cluster.servers, rate, env)))
+        servers = 0 if mode == "collective" else cluster.servers
+        rows.append((strategy.label, predicted.samples_per_s, measure(job, cluster.workers, servers, rate, env)))
     return rows
 
 

@@ -177,6 +177,46 @@ def test_allreduce_buckets_overlap_backward() -> None:
     assert result.exposed_s == pytest.approx(1.0)
 
 
+def test_collective_one_gradient_by_hand() -> None:
+    """One slice: a round (2 (W-1) steps of latency + 2 message_s), then the ring all-reduce; the next forward waits."""
+    cluster = Cluster(2, 0, RATE, latency_s=0.01, machine=dataclasses.replace(NO_COST, message_s=0.001))
+    result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7))
+    assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(0, cluster) + allreduce_seconds(4_000_000, cluster))
+    assert result.exposed_s == pytest.approx(result.iteration_s - 1.5)
+
+
+def test_collective_slices_overtake_by_priority_under_the_water_mark() -> None:
+    """b (4 slices of 0.5 s, priority -1) is finished at 3 s, a (2 slices, priority 0) at 3.2 s. With water
+    mark 1 a's slices go as soon as b's first completes (3.5 s, its round is free here); with 10, b's four
+    were all issued at 3 s and a waits for them."""
+    layers = Workload(("a", "b"), (4_000_000, 8_000_000), (1.0, 1.0), ((0,), (1,)), (1.0, 0.2), ((1,), (0,)))
+    cluster = Cluster(2, 0, RATE, latency_s=0.0, **FREE)
+    capped = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=1))
+    assert [(round(t, 6), p, n) for t, p, n in capped.sends[:4]] == [(3.0, 1, 0), (3.5, 0, 0), (4.0, 0, 1), (4.5, 1, 1)]
+    loose = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=10))
+    assert [p for _, p, _ in loose.sends[:6]] == [1, 1, 1, 1, 0, 0]
+    assert capped.iteration_s < loose.iteration_s  # a is back (and the next forward starts) 1 s earlier
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(math.inf, 5.0), (1.0, 6.0)])
+def test_a_collectives_cpu_slows_the_compute_beside_it(cores: float, expected: float) -> None:
+    """b's all-reduce (1 s on the ring, 1 s of CPU) runs beside a's backward segment (1 s). With a core
+    to spare both take 1 s (3-4) and a's all-reduce follows (4-5); on one core they share it and both
+    end at 5, a's all-reduce at 6: the next forward starts 1 s later each iteration."""
+    machine = dataclasses.replace(NO_COST, byte_s=1 / 8e6, cores=cores)  # 2 x 4 MB sent and received: 1 s
+    cluster = Cluster(2, 0, RATE, latency_s=0.0, machine=machine)
+    assert simulate(two_layers(), cluster, Strategy("collective", slice_size=10**7)).iteration_s == pytest.approx(expected)
+
+
+def test_collective_fuses_small_slices_queued_together() -> None:
+    """Two small gradients of one segment share one collective: one fixed cost, not two."""
+    pair = Workload(("a", "b"), (400, 400), (1.0,), ((0, 1),), (0.5,), ((0, 1),))
+    cluster = Cluster(2, 0, RATE, latency_s=0.01, **FREE)
+    result = simulate(pair, cluster, Strategy("collective", slice_size=1000))
+    assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(0, cluster) + allreduce_seconds(800, cluster))
+    assert len({t for t, _, _ in result.sends}) == len(result.sends) // 2  # each send time carries both
+
+
 def test_more_workers_share_the_server_link() -> None:
     one = simulate(one_gradient(), Cluster(1, 1, RATE, latency_s=0.0, **FREE), Strategy("overlap"))
     two = simulate(one_gradient(), Cluster(2, 1, RATE, latency_s=0.0, **FREE), Strategy("overlap"))
