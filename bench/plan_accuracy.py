@@ -2,17 +2,18 @@
 
 For every (model, workers + servers, link rate) of the grid: plan for this machine (every worker and
 server on this one host, sharing its cores; ``tandem.planner.measure.this_machine``, its costs
-measured once and cached), then run baseline, overlap and p3 at the plan's knobs as real `tandem
-launch` jobs (``tandem.planner.validate.measure``: ``--netns-rate`` shaping, one torch thread per
-process, server-side SGD, median of ``--runs`` runs of ``--steps`` steady-state steps, the slowest
-worker's) and compare samples/s. Models and batches are bench/p3.py's. "none" is unshaped (loopback,
+measured once and cached), then run baseline, overlap and p3 (a config ``WxS``, S >= 1) or the
+collective mode (``Wx0``: no servers) at the plan's knobs as real `tandem launch` jobs
+(``tandem.planner.validate.measure``: ``--netns-rate`` shaping, one torch thread per process, SGD
+on the servers or, collective, on the workers, median of ``--runs`` runs of ``--steps`` steady-state
+steps, the slowest worker's) and compare samples/s. Models and batches are bench/p3.py's. "none" is unshaped (loopback,
 planned as 100 Gbit/s links: the per-byte CPU is the limit there).
 
 The constants come from ``measure.py`` and the profile alone; nothing here is fitted to the measured
 runs. Each measured job is appended to ``OUT/jobs.jsonl`` as it ends (with the load average around
 it), so a stopped run resumes, and the table is written from whatever has been measured.
 
-Reproduce: python bench/plan_accuracy.py   (options: --models, --configs 2x1 2x2 3x1 3x2, --rates, --runs;
+Reproduce: python bench/plan_accuracy.py   (options: --models, --configs 2x2 2x1 3x2 3x1 2x0 3x0, --rates, --runs;
 --sweep: the recommendation against a p3 knob sweep; --repeat N: one configuration's jobs N times, their spread)
 Writes bench/out/plan_accuracy.md and bench/out/plan_accuracy.png.
 """
@@ -35,9 +36,9 @@ sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import OUT, command_line, markdown_table, write_report  # noqa: E402
 from bench.p3 import MODELS  # noqa: E402
+from tandem.planner.sim import PS_MODES, SLICED_MODES  # noqa: E402
 
-MODES = ("baseline", "overlap", "p3", "collective")
-PS_MODES = MODES[:3]  # a config WxS with S >= 1 runs these; Wx0 runs collective (no servers)
+MODES: tuple[str, ...] = (*PS_MODES, "collective")  # a config WxS with S >= 1 runs PS_MODES, Wx0 collective
 UNSHAPED = "100gbit"  # what the plan assumes for "none" (loopback)
 
 
@@ -105,7 +106,7 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                     assert predicted is not None
                     strategy = predicted.strategy
                     env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(strategy.slice_size),
-                           "TANDEM_PS_WATER_MARK": str(strategy.water_mark)} if mode in ("p3", "collective") else {}  # fmt: skip
+                           "TANDEM_PS_WATER_MARK": str(strategy.water_mark)} if mode in SLICED_MODES else {}  # fmt: skip
                     job = Job(entry_name, config, batch_size, mode, runs=args.runs, steps=args.steps)
                     start, load = time.time(), os.getloadavg()[0]
                     try:
@@ -170,10 +171,10 @@ def repeat(args: argparse.Namespace) -> str:
     workers, servers = (int(n) for n in args.sweep_config.split("x"))
     entry_name, config, batch_size = MODELS[model]
     env = {"p3": {"TANDEM_KVSTORE_SLICE_THRESHOLD": "320000", "TANDEM_PS_WATER_MARK": "160"}}  # the unshaped plan's
-    found: dict[str, list[float]] = {mode: [] for mode in MODES}
+    found: dict[str, list[float]] = {mode: [] for mode in PS_MODES}
     rows: list[list[Any]] = []
     for number in range(args.repeat):
-        for mode in MODES:
+        for mode in PS_MODES:  # the --sweep-config's servers: the parameter-server modes
             before = dispatch_seconds()
             measured = measure(Job(entry_name, config, batch_size, mode, runs=args.runs, steps=args.steps), workers,
                                servers, rate, env.get(mode, {}))  # fmt: skip

@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the CPU costs per message and per byte here (default: measured constants; "
                              "with --here: measure again instead of reading OUT/machine.json)")
     parser.add_argument("--validate", action="store_true",
-                        help="also run the predicted baseline/overlap/p3 jobs here (tandem launch --netns-rate) and compare")
+                        help="also run the predicted baseline/overlap/p3/collective jobs here (tandem launch --netns-rate) "
+                             "and compare")
     parser.add_argument("--validate-runs", type=int, default=5, help="--validate: timed runs per job (median)")
     parser.add_argument("--out", default="runs/plan", help="directory for profile.json and plan.png")
 
@@ -73,10 +74,11 @@ def run(args: argparse.Namespace, module: nn.Module, loss_fn: Any, batch: tuple[
     if args.validate:
         from tandem.planner.validate import validate
 
-        print(f"\nvalidating: {args.workers} worker(s) + {args.servers} server(s) at {args.link} on this machine ...",
+        print(f"\nvalidating: {args.workers} worker(s) + {args.servers} server(s) (collective: none) at {args.link} "
+              "on this machine ...",
               flush=True)
         rows = validate(result, args.model, config, args.modes, runs=args.validate_runs)
-        print(f"{'mode':<28}{'predicted':>10}{'measured':>10}{'pred/meas':>10}")
+        print(f"{'mode':<32}{'predicted':>10}{'measured':>10}{'pred/meas':>10}")
         for label, predicted, measured in rows:
-            print(f"{label:<28}{predicted:>10.1f}{measured:>10.1f}{predicted / measured:>10.2f}")
+            print(f"{label:<32}{predicted:>10.1f}{measured:>10.1f}{predicted / measured:>10.2f}")
     return 0

@@ -123,11 +123,11 @@ class Plan:
                  f"{' (each on a worker machine)' if cluster.colocated else ''}, "
                  f"{rate_label(cluster.rate_bps)} links, "
                  f"{cluster.latency_s * 1e6:.0f} us latency", f"machine: {cluster.machine.describe()}", ""]  # fmt: skip
-        header = f"{'mode':<28}{'samples/s':>10}{'ms/iter':>10}{'compute':>9}{'exposed comm':>13}{'idle':>8}"
+        header = f"{'mode':<32}{'samples/s':>10}{'ms/iter':>10}{'compute':>9}{'exposed comm':>13}{'idle':>8}"
         lines += [header, "-" * len(header)]
         for p in self.predictions:
             mark = "  <- recommended" if p is self.best else ""
-            lines.append(f"{p.strategy.label:<28}{p.samples_per_s:>10.1f}{p.iteration_s * 1e3:>10.1f}"
+            lines.append(f"{p.strategy.label:<32}{p.samples_per_s:>10.1f}{p.iteration_s * 1e3:>10.1f}"
                          f"{p.compute_s * 1e3:>9.1f}{p.exposed_s * 1e3:>13.1f}{p.idle_s * 1e3:>8.1f}{mark}")  # fmt: skip
         lines.append("")
         s = self.best.strategy

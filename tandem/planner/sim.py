@@ -62,7 +62,7 @@ from tandem.kvstore.ps.transport import MAX_BATCH
 
 Mode = Literal["baseline", "overlap", "p3", "allreduce", "collective"]
 MODES: tuple[Mode, ...] = ("baseline", "overlap", "p3", "allreduce", "collective")
-SLICED_MODES = ("p3", "collective")  # the modes with a slice size and a water mark to tune
+SLICED_MODES: tuple[Mode, ...] = ("p3", "collective")  # the modes with a slice size and a water mark to tune
 PS_MODES = ("baseline", "overlap", "p3")
 COMPRESSION_RATIO = {"none": 1, "fp16": 2, "bf16": 2, "2bit": 16}  # float32 bytes / bytes on the wire
 INF = math.inf
@@ -152,7 +152,7 @@ class Cluster:
         if not (isinstance(self.workers, int) and self.workers >= 1):
             raise ValueError(f"workers must be an int >= 1 (1 to any number), got {self.workers!r}")
         if not (isinstance(self.servers, int) and self.servers >= 0):
-            raise ValueError(f"servers must be an int >= 0 (0 only for allreduce), got {self.servers!r}")
+            raise ValueError(f"servers must be an int >= 0 (0 only for allreduce and collective), got {self.servers!r}")
         if not self.rate_bps > 0:
             raise ValueError(f"link rate must be > 0 bits/s (e.g. '100mbit', '10gbit'), got {self.rate_bps!r}")
         if not self.latency_s >= 0:
@@ -171,7 +171,7 @@ class Strategy:
     """How gradients travel: the mode and its knobs."""
 
     mode: Mode = "p3"
-    slice_size: int = 40_000  # elements per slice (p3)
+    slice_size: int = 40_000  # elements per slice (p3, collective)
     water_mark: int = 10  # requests in flight per worker (p3), collectives in flight (collective)
     compression: str = "none"  # none, fp16, bf16, 2bit: pushes (and all-reduce) shrink by its ratio
     update_on: Literal["servers", "workers"] = "servers"  # workers: the pulled sums are compressed too
@@ -725,6 +725,12 @@ def allreduce_seconds(nbytes: float, cluster: Cluster) -> float:
     return steps / cluster.workers * nbytes / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.machine.message_s)
 
 
+def allgather_seconds(nbytes: float, cluster: Cluster) -> float:
+    """A ring all-gather of every worker's ``nbytes``: W-1 steps, each moving nbytes on every link."""
+    steps = cluster.workers - 1
+    return steps * nbytes / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.machine.message_s)
+
+
 def _allreduce(workload: Workload, cluster: Cluster, strategy: Strategy) -> Prediction:
     """DDP's schedule: buckets fill in backward order and are all-reduced one at a time as they fill;
     the next forward waits for all of them. Steady state is one forward + backward + the exposed tail."""
@@ -753,19 +759,24 @@ class _CollectiveSim:
     at once. A backward segment's gradients are submitted together; a round (an all-reduce of a few
     integers, one at a time) agrees on them and on the completions so far, then issues from the
     priority queue while fewer than ``water_mark`` collectives are in flight (one where none is).
-    The ring runs one collective at a time. A completion with slices still queued asks for a round.
+    The ring runs one collective at a time (gloo's process group has two threads: a latency-bound
+    collective can overlap the next, which this does not model). A completion with slices still
+    queued asks for a round.
 
-    CPU: a collective (a round too) takes ``allreduce_seconds`` on the ring, and its worker's CPU
-    ``2 (W-1)`` steps of a send and a receive (``message_s`` each, ``byte_s`` per byte); it ends once
-    both are done. That CPU shares the worker's cores with its compute (``CPU``; on a shared host
-    each worker has ``cores / W`` of them), so communication slows compute where cores are few."""
+    A collective (a round too) takes ``allreduce_seconds`` on the ring and its worker's CPU ``2 (W-1)``
+    steps of a send and a receive (``message_s`` each, ``byte_s`` per byte); with compression the
+    store all-gathers the compressed slices instead (``allgather_seconds``, ``W-1`` steps). It ends
+    once both are done. That CPU shares the worker's cores with its compute (``CPU``; on a shared
+    host each worker has ``cores / W`` of them), so communication slows compute where cores are
+    few. Every wait of the compute is exposed communication (``idle_s`` is 0): rounds, the ring and
+    the CPU they take."""
 
     def __init__(self, workload: Workload, cluster: Cluster, strategy: Strategy, iterations: int) -> None:
         self.w, self.c, self.s, self.iterations = workload, cluster, strategy, iterations
         self.events = Events()
         self.ratio = COMPRESSION_RATIO[strategy.compression]
         size = strategy.slice_size
-        self.slices = [[min(size, b // 4 - start) for start in range(0, max(b // 4, 1), size)] for b in workload.param_bytes]
+        self.slices = [[min(size, b // 4 - start) for start in range(0, b // 4, size)] for b in workload.param_bytes]
         machine = cluster.machine
         share = cluster.workers if machine.shared_host else 1  # identical workers split a shared host evenly
         self.cpu = CPU(self.events, machine.cores / share, machine.background / share)
@@ -802,10 +813,13 @@ class _CollectiveSim:
         self.computing = True
         self.cpu.run(seconds, partial(self.segment_done, iteration, index))
 
-    def collective(self, nbytes: float, done: Callable[[], None]) -> None:
-        """An all-reduce of ``nbytes``: ``done`` once the ring's time has passed and this worker's CPU for it is spent."""
-        steps, machine = 2 * (self.c.workers - 1), self.c.machine
-        cpu_s = steps * 2 * machine.message_s + 2 * steps / self.c.workers * nbytes * machine.byte_s
+    def collective(self, nbytes: float, done: Callable[[], None], gather: bool = False) -> None:
+        """An all-reduce of ``nbytes`` (``gather``: an all-gather of each worker's ``nbytes``): ``done``
+        once the ring's time has passed and this worker's CPU for it is spent."""
+        workers, machine = self.c.workers, self.c.machine
+        steps, moved = (workers - 1, (workers - 1) * nbytes) if gather else (2 * (workers - 1), 2 * (workers - 1) / workers * nbytes)
+        cpu_s = steps * 2 * machine.message_s + 2 * moved * machine.byte_s  # each step a send and a receive
+        seconds = allgather_seconds(nbytes, self.c) if gather else allreduce_seconds(nbytes, self.c)
         left = [2]
 
         def part() -> None:
@@ -813,7 +827,7 @@ class _CollectiveSim:
             if left[0] == 0:
                 done()
 
-        self.events.at(self.events.now + allreduce_seconds(nbytes, self.c), part)
+        self.events.at(self.events.now + seconds, part)
         self.cpu.run(cpu_s, part)
 
     def segment_done(self, iteration: int, index: int) -> None:
@@ -823,7 +837,10 @@ class _CollectiveSim:
             for param in self.w.backward_grads[index - n_forward]:  # kv.batched(): one round sees them all
                 self.missing[param] = len(self.slices[param])
                 self.submitted.extend((param, number, iteration) for number in range(len(self.slices[param])))
-            self.round()
+                if not self.slices[param]:  # nothing to sum (the store skips empty tensors)
+                    self.back[param] = iteration
+            if self.submitted:  # a segment that finishes no gradient has nothing to agree on
+                self.round()
         last = index == n_forward + n_backward - 1
         if last:
             self.backward_end.append(self.events.now)
@@ -867,7 +884,7 @@ class _CollectiveSim:
         if self.ring and not self.ring_busy:
             self.ring_busy, unit = True, self.ring.popleft()
             numel = sum(self.slices[param][number] for param, number, _ in unit)
-            self.collective(numel * 4 / self.ratio, partial(self.complete, unit))
+            self.collective(numel * 4 / self.ratio, partial(self.complete, unit), gather=self.ratio != 1)
 
     def complete(self, unit: list[tuple[int, int, int]]) -> None:
         self.ring_busy = False

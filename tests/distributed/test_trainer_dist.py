@@ -98,8 +98,8 @@ def test_baseline_overlap_and_p3_give_the_same_parameters_with_inductor(tmp_path
 def test_async_p3_trainer_trains(mode: str, tmp_path: Path) -> None:
     """dist_p3_async under Trainer(communication="p3"): each worker's own tuner (water mark, send timing)
     or the serial timing; async rounds have no exact reference, so: both finish, parameters moved, finite,
-    and each worker's loss, averaged over its last five steps, falls to under half its first (one process:
-    2.35 -> 0.10 in 20 steps)."""
+    and each worker's loss, averaged over its last five steps, falls to under half its first (at momentum
+    0.5, as trainer_modes.py trains async kinds: 2.3 -> 0.2-0.4 in ASYNC_STEPS)."""
     env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "0" if mode == "p3-auto" else "100"}
     job = run_job("trainer_modes.py", 2, 2, "dist_p3_async", mode, "1", str(tmp_path), str(ASYNC_STEPS), "mlp", env=env)
     assert len(worker_lines(job.stdout, " OK ")) == 2, job.stdout
