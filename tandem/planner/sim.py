@@ -785,7 +785,7 @@ class _CollectiveSim:
         self.submitted: list[tuple[int, int, int]] = []  # (param, slice, iteration) not yet agreed
         self.queue: list[tuple[int, int, int, int]] = []  # heap of (param, slice, order, iteration): -param is the priority
         self.order = 0
-        self.in_flight, self.completed_unseen = 0, 0  # completions since the last round
+        self.in_flight, self.completed_unseen = 0, 0  # issued, not yet freed by a round; completed since the last round
         self.rounding = False
         self.missing = [0] * len(workload.names)
         self.back = [-1] * len(workload.names)

@@ -228,11 +228,12 @@ def test_compressed_collectives_all_gather() -> None:
 
 
 def test_each_refill_waits_for_a_round() -> None:
-    """Water mark 1, 4 slices of 0.5 s, rounds of 0.1 s (2 (W-1) latencies of 0.05 s): a round agrees on
-    the gradient, then each completion needs a round before the next slice goes."""
+    """Water mark 1, 4 slices of 1 MB (0.25 s of wire, 0.1 s of latency), rounds of 0.1 s (2 (W-1)
+    latencies of 0.05 s): a round agrees on the gradient, then each completion needs a round before
+    the next slice goes."""
     cluster = Cluster(2, 0, RATE, latency_s=0.05, **FREE)
     result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=250_000, water_mark=1))
-    one_slice = allreduce_seconds(1_000_000, cluster)  # 0.5 s of wire + 0.1 s of latency
+    one_slice = allreduce_seconds(1_000_000, cluster)  # 0.25 s of wire + 0.1 s of latency
     assert result.iteration_s == pytest.approx(1.5 + 4 * (0.1 + one_slice))
 
 
