@@ -34,7 +34,8 @@ def test_plan_profiles_reports_and_plots(profiled: Path, capsys: pytest.CaptureF
     assert sent == {g for s in profile.segments for g in s.gradients}  # every parameter's gradient comes from a segment
     assert main(["plan", "--model", "mlp", *CLUSTER, "--profile", str(profiled), "--out", str(profiled.parent)]) == 0
     output = capsys.readouterr().out
-    for text in ("baseline", "overlap", "p3 (", "allreduce", "+fp16", "+2bit", "recommended:", "servers:", "plan.png"):
+    for text in ("baseline", "overlap", "p3 (", "allreduce", "collective (", "+fp16", "+2bit", "recommended:", "servers:",
+                 "plan.png"):
         assert text in output
 
 
@@ -70,6 +71,16 @@ def test_the_api(profiled: Path) -> None:
     batch = entry.make_batch(32, torch.Generator().manual_seed(1), **config)
     with pytest.raises(ProfileMismatch, match="not 'gpt'"):  # a module with a saved profile is checked, not profiled
         tandem.plan(entry.build(**config), entry.loss_fn, batch, name="gpt", saved=profiled, sweep=False)
+
+
+def test_the_modes_without_servers_plan_with_none(profiled: Path) -> None:
+    """0 servers: allreduce and collective alone; the collective mode's knobs are searched as p3's are."""
+    result = tandem.plan(profiled, workers=2, servers=0, rate="100mbit", modes=("allreduce", "collective"), sweep=False)
+    collective = result.prediction("collective")
+    assert collective is not None and collective.samples_per_s > 0 and "(no servers)" in result.report()
+    assert collective.strategy.label.startswith("collective (")
+    with pytest.raises(ValueError, match="servers must be an int >= 1 for the parameter-server modes"):
+        tandem.plan(profiled, workers=2, servers=0, rate="100mbit", modes=("p3", "collective"), sweep=False)
 
 
 def test_colocated_servers(profiled: Path) -> None:
