@@ -283,7 +283,7 @@ def run_mode(model: str, mode: str, rate: str, runs: int, steps: int, env: dict[
 def _mode_env(mode: str) -> dict[str, str]:
     """p3-auto, collective-p3-auto: slice size 0 (tune it), and a warm-up long enough for the tuner to settle."""
     auto = {"TANDEM_KVSTORE_SLICE_THRESHOLD": "0", "P3BENCH_WARMUP": str(AUTO_WARMUP_STEPS)}
-    return auto if mode.partition("+")[0].endswith("p3-auto") else {}
+    return auto if mode.partition("+")[0] in AUTO_MODES else {}
 
 
 def _chose(tuned: list[Any] | None) -> str:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import OUT, command_line, markdown_table, write_report  # noqa: E402
 from bench.p3 import MODELS  # noqa: E402
-from tandem.planner.sim import PS_MODES, SLICED_MODES  # noqa: E402
+from tandem.planner.sim import PS_MODES  # noqa: E402
 
 MODES: tuple[str, ...] = (*PS_MODES, "collective")  # a config WxS with S >= 1 runs PS_MODES, Wx0 collective
 UNSHAPED = "100gbit"  # what the plan assumes for "none" (loopback)
@@ -71,7 +71,7 @@ def _key(model: str, workers: int, servers: int, rate: str, mode: str) -> str:
 def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     from tandem.planner.measure import background_threads, this_machine
     from tandem.planner.search import Target, search
-    from tandem.planner.validate import Job, measure
+    from tandem.planner.validate import Job, knob_env, measure
 
     machine = this_machine(out / "machine.json")
     print(f"machine: {machine.describe()}", flush=True)
@@ -105,8 +105,7 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                     predicted = search(found, target).prediction(mode)
                     assert predicted is not None
                     strategy = predicted.strategy
-                    env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(strategy.slice_size),
-                           "TANDEM_PS_WATER_MARK": str(strategy.water_mark)} if mode in SLICED_MODES else {}  # fmt: skip
+                    env = knob_env(strategy)
                     job = Job(entry_name, config, batch_size, mode, runs=args.runs, steps=args.steps)
                     start, load = time.time(), os.getloadavg()[0]
                     try:

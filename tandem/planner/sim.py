@@ -680,17 +680,21 @@ class _PSSim:
         for worker in range(self.c.workers):
             self.advance(worker)
         self.events.run()
-        ends = self.backward_end
-        measured = len(ends) - 2
-        iteration_s = (ends[-1] - ends[1]) / measured
-        window = (ends[1], ends[-1])
-        waits = [(max(a, window[0]), min(b, window[1])) for a, b in self.waits if b > window[0] and a < window[1]]
+        iteration_s, measured, waits = _steady_state(self.backward_end, self.waits)
         links = _union(self.network)
         waited = sum(b - a for a, b in waits) / measured
         exposed = sum(_overlap(a, b, links) for a, b in waits) / measured
         found = _prediction(self.w, self.c, self.s, iteration_s, exposed, waited - exposed, self.sends, self.notices)
         found.replies = self.replies
         return found
+
+
+def _steady_state(ends: list[float], waits: list[tuple[float, float]]) -> tuple[float, int, list[tuple[float, float]]]:
+    """Seconds per iteration between the end of the second backward and the last, how many iterations
+    that window holds, and the compute's waits clipped to it (the first iteration fills the pipeline)."""
+    measured = len(ends) - 2
+    start, end = ends[1], ends[-1]
+    return (end - start) / measured, measured, [(max(a, start), min(b, end)) for a, b in waits if b > start and a < end]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -901,8 +905,6 @@ class _CollectiveSim:
     def run(self) -> Prediction:
         self.advance()
         self.events.run()
-        ends = self.backward_end
-        measured = len(ends) - 2
-        iteration_s = (ends[-1] - ends[1]) / measured
-        waited = sum(min(b, ends[-1]) - max(a, ends[1]) for a, b in self.waits if b > ends[1] and a < ends[-1])
-        return _prediction(self.w, self.c, self.s, iteration_s, waited / measured, 0.0, self.sends)
+        iteration_s, measured, waits = _steady_state(self.backward_end, self.waits)
+        waited = sum(b - a for a, b in waits) / measured
+        return _prediction(self.w, self.c, self.s, iteration_s, waited, 0.0, self.sends)

@@ -6,7 +6,8 @@ server shares this host's cores, with the other work running as it was planned).
 Each mode that tandem can run (baseline, overlap, p3 and collective at the plan's knobs) runs as a
 ``tandem launch`` job of the plan's workers and servers (collective: no servers), every process in
 its own network namespace with its link shaped to the plan's rate (``--netns-rate``; as root), one
-torch thread each, SGD on the servers (collective: on the workers). Each worker times ``runs`` runs of ``steps`` steps in steady state (as bench/p3.py does: one untimed step
+torch thread each, SGD on the servers (collective: on the workers). Each worker times ``runs`` runs
+of ``steps`` steps in steady state (as bench/p3.py does: one untimed step
 primes the pipeline, the drain after a run is untimed); a run's time is its slowest worker's; the
 median run counts. Models are zoo models fed by their ``make_batch``.
 """
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tandem.planner.search import Plan
-from tandem.planner.sim import SLICED_MODES
+from tandem.planner.sim import SLICED_MODES, Strategy
 
 MARK = "PLANJOB "
 KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "collective": "collective"}
@@ -92,6 +93,13 @@ def measure(job: Job, workers: int, servers: int, rate: str, env: dict[str, str]
     return workers * job.batch_size / statistics.median(slowest)
 
 
+def knob_env(strategy: Strategy) -> dict[str, str]:
+    """The environment that runs a job at ``strategy``'s slice size and water mark (where it has them)."""
+    if strategy.mode not in SLICED_MODES:
+        return {}
+    return {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(strategy.slice_size), "TANDEM_PS_WATER_MARK": str(strategy.water_mark)}
+
+
 def validate(result: Plan, model: str, config: dict[str, Any], modes: list[str], runs: int = 5,
              steps: int = 4) -> list[tuple[str, float, float]]:  # fmt: skip
     """(mode label, predicted, measured samples/s) of each of ``modes`` that tandem runs."""
@@ -106,11 +114,10 @@ def validate(result: Plan, model: str, config: dict[str, Any], modes: list[str],
         if mode not in KINDS or predicted is None:
             continue
         strategy = predicted.strategy
-        env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(strategy.slice_size),
-               "TANDEM_PS_WATER_MARK": str(strategy.water_mark)} if mode in SLICED_MODES else {}  # fmt: skip
         job = Job(model, config, result.profile.batch_size, mode, runs=runs, steps=steps)
         servers = 0 if mode == "collective" else cluster.servers
-        rows.append((strategy.label, predicted.samples_per_s, measure(job, cluster.workers, servers, rate, env)))
+        rows.append((strategy.label, predicted.samples_per_s,
+                     measure(job, cluster.workers, servers, rate, knob_env(strategy))))
     return rows
 
 
