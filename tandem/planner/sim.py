@@ -360,6 +360,53 @@ class _Reply:
     notice: bool = False  # a RECEIVED notice (p3), not the answer
 
 
+class _ComputeLoop:
+    """One worker's compute, as the executor runs it: forward segment k starts once every parameter
+    it reads is back from the previous iteration (``gate_all_first``: the first waits for all of
+    them, baseline's whole pull), backward segments follow without waiting. ``finished(iteration,
+    index)`` is told as each segment ends, before the next one is looked at. Records its waits."""
+
+    def __init__(self, workload: Workload, events: Events, cpu: CPU, iterations: int,
+                 finished: Callable[[int, int], None], gate_all_first: bool = False) -> None:  # fmt: skip
+        self.w, self.events, self.cpu, self.iterations = workload, events, cpu, iterations
+        self.finished, self.gate_all_first = finished, gate_all_first
+        self.back = [-1] * len(workload.names)  # per parameter, the last iteration fully back
+        self.position = (0, 0)  # (iteration, segment index over forward + backward)
+        self.computing = False
+        self.wait_since: float | None = None
+        self.waits: list[tuple[float, float]] = []
+
+    def advance(self) -> None:
+        """Start the next segment, unless one runs, the iterations are done or its parameters are not back."""
+        iteration, index = self.position
+        if self.computing or iteration >= self.iterations:
+            return
+        w, n_forward = self.w, len(self.w.forward_s)
+        if index < n_forward:
+            needs = range(len(w.names)) if (self.gate_all_first and index == 0) else w.forward_reads[index]
+            if any(self.back[p] < iteration - 1 for p in needs):
+                self.wait_since = self.events.now if self.wait_since is None else self.wait_since
+                return
+            seconds = w.forward_s[index]
+        else:
+            seconds = w.backward_s[index - n_forward]
+        if self.wait_since is not None:
+            if self.events.now > self.wait_since:
+                self.waits.append((self.wait_since, self.events.now))
+            self.wait_since = None
+        self.computing = True
+        self.cpu.run(seconds, partial(self._segment_done, iteration, index))
+
+    def is_last(self, index: int) -> bool:
+        return index == len(self.w.forward_s) + len(self.w.backward_s) - 1
+
+    def _segment_done(self, iteration: int, index: int) -> None:
+        self.computing = False
+        self.position = (iteration + 1, 0) if self.is_last(index) else (iteration, index + 1)
+        self.finished(iteration, index)
+        self.advance()
+
+
 class _PSSim:
     def __init__(self, workload: Workload, cluster: Cluster, strategy: Strategy, iterations: int) -> None:
         self.w, self.c, self.s, self.iterations = workload, cluster, strategy, iterations
@@ -398,46 +445,17 @@ class _PSSim:
         self.polling = [False] * cluster.servers  # the server's loop is serving a poll's requests
         self.held: list[dict[int, list[_Reply]]] = [{} for _ in range(cluster.servers)]  # per worker, until flushed
         self.missing = [[0] * len(workload.names) for _ in range(n_workers)]  # slices not back, per param
-        self.back = [[-1] * len(workload.names) for _ in range(n_workers)]  # last iteration fully back
-        self.position = [(0, 0)] * n_workers  # (iteration, segment index over forward + backward)
-        self.computing = [False] * n_workers
-        self.wait_since: list[float | None] = [None] * n_workers
-        self.waits: list[tuple[float, float]] = []  # worker 0
+        self.loops = [_ComputeLoop(workload, ev, self.cpu[w], iterations, partial(self.segment_done, w),
+                                   gate_all_first=strategy.mode == "baseline") for w in range(n_workers)]  # fmt: skip
         self.backward_end: list[float] = []  # worker 0, per iteration
         self.sends: list[tuple[float, int, int]] = []
         self.replies: list[tuple[float, int, int]] = []  # worker 0's answers received: (time, param, slice)
         self.notices = 0  # worker 0's
         self.network: list[tuple[float, float]] = []  # worker 0's messages between leaving and landing
 
-    # the worker's compute loop
-    def advance(self, worker: int) -> None:
-        if self.computing[worker]:
-            return
-        iteration, index = self.position[worker]
-        if iteration >= self.iterations:
-            return
-        w, n_forward = self.w, len(self.w.forward_s)
-        if index < n_forward:
-            needs = range(len(w.names)) if (self.s.mode == "baseline" and index == 0) else w.forward_reads[index]
-            if any(self.back[worker][p] < iteration - 1 for p in needs):
-                if self.wait_since[worker] is None:
-                    self.wait_since[worker] = self.events.now
-                return
-            seconds = w.forward_s[index]
-        else:
-            seconds = w.backward_s[index - n_forward]
-        started = self.wait_since[worker]
-        if started is not None:
-            if worker == 0 and self.events.now > started:
-                self.waits.append((started, self.events.now))
-            self.wait_since[worker] = None
-        self.computing[worker] = True
-        self.cpu[worker].run(seconds, lambda: self.segment_done(worker, iteration, index))
-
     def segment_done(self, worker: int, iteration: int, index: int) -> None:
         w, n_forward = self.w, len(self.w.forward_s)
-        self.computing[worker] = False
-        last = index == n_forward + len(w.backward_s) - 1
+        last = self.loops[worker].is_last(index)
         if index >= n_forward:
             if self.s.mode != "baseline":
                 # p3: the segment's gradients are queued together, then leave (the trainer's batched());
@@ -454,8 +472,6 @@ class _PSSim:
                     self.pump(worker)
         if last and worker == 0:
             self.backward_end.append(self.events.now)
-        self.position[worker] = (iteration + 1, 0) if last else (iteration, index + 1)
-        self.advance(worker)
 
     # requests
     def send_gradient(self, worker: int, param: int, iteration: int, kind: str, pump: bool = True) -> None:
@@ -673,14 +689,14 @@ class _PSSim:
         worker, param = request.worker, request.param
         self.missing[worker][param] -= 1
         if self.missing[worker][param] == 0:
-            self.back[worker][param] = request.iteration
-            self.advance(worker)
+            self.loops[worker].back[param] = request.iteration
+            self.loops[worker].advance()
 
     def run(self) -> Prediction:
-        for worker in range(self.c.workers):
-            self.advance(worker)
+        for loop in self.loops:
+            loop.advance()
         self.events.run()
-        iteration_s, measured, waits = _steady_state(self.backward_end, self.waits)
+        iteration_s, measured, waits = _steady_state(self.backward_end, self.loops[0].waits)
         links = _union(self.network)
         waited = sum(b - a for a, b in waits) / measured
         exposed = sum(_overlap(a, b, links) for a, b in waits) / measured
@@ -792,30 +808,9 @@ class _CollectiveSim:
         self.in_flight, self.completed_unseen = 0, 0  # issued, not yet freed by a round; completed since the last round
         self.rounding = False
         self.missing = [0] * len(workload.names)
-        self.back = [-1] * len(workload.names)
-        self.position, self.computing = (0, 0), False
-        self.wait_since: float | None = None
-        self.waits: list[tuple[float, float]] = []
+        self.loop = _ComputeLoop(workload, self.events, self.cpu, iterations, self.segment_done)
         self.backward_end: list[float] = []
         self.sends: list[tuple[float, int, int]] = []
-
-    def advance(self) -> None:
-        iteration, index = self.position
-        if self.computing or iteration >= self.iterations:
-            return
-        n_forward = len(self.w.forward_s)
-        if index < n_forward:
-            if any(self.back[p] < iteration - 1 for p in self.w.forward_reads[index]):
-                self.wait_since = self.events.now if self.wait_since is None else self.wait_since
-                return
-            seconds = self.w.forward_s[index]
-        else:
-            seconds = self.w.backward_s[index - n_forward]
-        if self.wait_since is not None:
-            self.waits.append((self.wait_since, self.events.now))
-            self.wait_since = None
-        self.computing = True
-        self.cpu.run(seconds, partial(self.segment_done, iteration, index))
 
     def collective(self, nbytes: float, done: Callable[[], None], gather: bool = False) -> None:
         """An all-reduce of ``nbytes`` (``gather``: an all-gather of each worker's ``nbytes``): ``done``
@@ -835,21 +830,17 @@ class _CollectiveSim:
         self.cpu.run(cpu_s, part)
 
     def segment_done(self, iteration: int, index: int) -> None:
-        n_forward, n_backward = len(self.w.forward_s), len(self.w.backward_s)
-        self.computing = False
+        n_forward = len(self.w.forward_s)
         if index >= n_forward:
             for param in self.w.backward_grads[index - n_forward]:  # kv.batched(): one round sees them all
                 self.missing[param] = len(self.slices[param])
                 self.submitted.extend((param, number, iteration) for number in range(len(self.slices[param])))
                 if not self.slices[param]:  # nothing to sum (the store skips empty tensors)
-                    self.back[param] = iteration
+                    self.loop.back[param] = iteration
             if self.submitted:  # a segment that finishes no gradient has nothing to agree on
                 self.round()
-        last = index == n_forward + n_backward - 1
-        if last:
+        if self.loop.is_last(index):
             self.backward_end.append(self.events.now)
-        self.position = (iteration + 1, 0) if last else (iteration, index + 1)
-        self.advance()
 
     def round(self) -> None:
         """Start a round unless one runs (its end looks whether there is something new to agree on)."""
@@ -897,14 +888,14 @@ class _CollectiveSim:
         for param, _, iteration in unit:
             self.missing[param] -= 1
             if self.missing[param] == 0:
-                self.back[param] = iteration
+                self.loop.back[param] = iteration
         if self.queue:
             self.round()
-        self.advance()
+        self.loop.advance()
 
     def run(self) -> Prediction:
-        self.advance()
+        self.loop.advance()
         self.events.run()
-        iteration_s, measured, waits = _steady_state(self.backward_end, self.waits)
+        iteration_s, measured, waits = _steady_state(self.backward_end, self.loop.waits)
         waited = sum(b - a for a, b in waits) / measured
         return _prediction(self.w, self.c, self.s, iteration_s, waited, 0.0, self.sends)
