@@ -1,7 +1,7 @@
 """Compiled segments (issue #28): tandem's inductor backend against eager and torch.compile.
 
     python bench/compiled.py [--models resnet,gpt,lstm_lm,hf-gpt2,hf-llama] [--threads 1,2]
-                             [--repeats 7] [--clock cpu|wall] [--quick] [--first-call-only]
+                             [--repeats 7] [--clock cpu|wall] [--quick] [--first-call-only | --memory-only]
 
 Three measurements, each model in fresh subprocesses (inductor specializes its kernels to the
 thread count, and dynamo's caches stay per process):
@@ -27,6 +27,8 @@ thread count, and dynamo's caches stay per process):
 ``--quick``: gpt only, 1 thread, 3 rounds (a smoke run of the script; its numbers mean little).
 ``--first-call-only``: the first-call table alone (bench/out/compiled_first_call.md), for
 re-measuring compile times on a quiet machine.
+``--memory-only``: the memory-against-time table and plot alone, at the first ``--threads``
+(bench/out/compiled_memory.md and compiled_memory.png); the step-time table is not run.
 Writes bench/out/compiled.md, bench/out/compiled_memory.png and bench/out/compiled_time.png.
 """
 
@@ -336,8 +338,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="gpt, 1 thread, 3 rounds: checks the script")
     parser.add_argument("--first-call-only", action="store_true",
                         help="only the first-call table (cold and warm compiles; writes compiled_first_call.md)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only the memory-against-time sweep (writes compiled_memory.md and its plot)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.first_call_only and args.memory_only:
+        parser.error("--first-call-only and --memory-only each run one table; pick one")
     if args.child:
         with contextlib.suppress(AttributeError):
             torch._dynamo.config.recompile_limit = 64  # one cache entry per torch.compile'd copy
@@ -359,7 +365,7 @@ def main() -> None:
     sweeps: dict[str, dict[str, Any]] = {}
     first_calls: dict[str, dict[str, dict[str, Any]]] = {}
     for name in models:
-        for threads in thread_counts if not args.first_call_only else ():
+        for threads in thread_counts[:1] if args.memory_only else thread_counts if not args.first_call_only else ():
             sweep = threads == thread_counts[0]
             result = run_child(["timing", name, str(threads), "sweep" if sweep else "-", str(args.repeats), args.clock],
                                shared_cache)
@@ -371,6 +377,8 @@ def main() -> None:
             times = result["times"]
             print(f"{name}, {threads} thread(s): " + ", ".join(f"{k} {v / times['eager']:.3f}" for k, v in times.items()
                                                                 if k != "eager") + " (x eager)", flush=True)
+        if args.memory_only:
+            continue
         first_calls[name] = {}
         for system in ("tandem", "torch.compile"):
             cache = tempfile.mkdtemp(prefix=f"tandem-bench-first-call-{system.replace('.', '-')}-")
@@ -386,8 +394,18 @@ def main() -> None:
         print(f"\nCommand: `{command_line()}`\n\n{text}")
         write_report("compiled_first_call", text)
         return
-    time_table, time_goals = time_section(timing)
     memory_table, memory_goals = memory_section(sweeps)
+    if args.memory_only:
+        text = (f"({date.today().isoformat()}; {os.cpu_count()}-core CPU ({cpu_name()}), torch {torch.__version__}, "
+                f"medians of {args.repeats} interleaved rounds, {args.clock} clock; ran {minutes:.1f} minutes)\n\n"
+                f"Peak memory during one step (profiler allocation events) and step time, {thread_counts[0]} "
+                f"thread(s):\n\n{memory_table}\n\nGoals:\n\n" + "\n".join(memory_goals))  # fmt: skip
+        print(f"\nCommand: `{command_line()}`\n\n{text}")
+        write_report("compiled_memory", text)
+        plot_memory(sweeps, OUT / "compiled_memory.png")
+        print(f"\nwrote {OUT / 'compiled_memory.md'} and {OUT / 'compiled_memory.png'}")
+        return
+    time_table, time_goals = time_section(timing)
     header = (f"({date.today().isoformat()}; {os.cpu_count()}-core CPU ({cpu_name()}), torch {torch.__version__}, "
               f"medians of {args.repeats} interleaved rounds, {args.clock} clock; ran {minutes:.1f} minutes"
               + ("; --quick: a smoke run, the numbers mean little" if args.quick else "") + ")")
