@@ -12,7 +12,7 @@ thread count, and dynamo's caches stay per process):
   ``backend="inductor"`` (mirror off), at each ``--threads``. Medians of ``--repeats`` interleaved
   rounds after 2 warm-up rounds; ``--clock cpu`` (the default) is the process CPU time of all
   threads, robust on a shared machine. The timing subprocesses share one inductor cache directory.
-* **Memory against time** (1 thread, in the same interleaved rounds): tandem inductor at mirror off /
+* **Memory against time** (at the first ``--threads``, in the same interleaved rounds): tandem inductor at mirror off /
   memory-aware / budgets 0.8, 0.6, 0.4 of off, and torch.compile (default mode) with
   ``torch._functorch.config.activation_memory_budget`` 1.0 / 0.8 / 0.6 / 0.4. One meter for every
   point: the profiler's allocation events during one step (``tandem.executor._AllocationEvents``,
@@ -28,7 +28,8 @@ thread count, and dynamo's caches stay per process):
 ``--first-call-only``: the first-call table alone (bench/out/compiled_first_call.md), for
 re-measuring compile times on a quiet machine.
 ``--memory-only``: the memory-against-time table and plot alone, at the first ``--threads``
-(bench/out/compiled_memory.md and compiled_memory.png); the step-time table is not run.
+(bench/out/compiled_memory.md and compiled_memory.png): no other thread counts and no first calls
+(the max-autotune and aten columns still run in the rounds, unreported).
 Writes bench/out/compiled.md, bench/out/compiled_memory.png and bench/out/compiled_time.png.
 """
 
@@ -277,7 +278,7 @@ def first_call_section(results: dict[str, dict[str, dict[str, Any]]]) -> tuple[s
     return markdown_table(headers, rows), goals
 
 
-def plot_memory(results: dict[str, dict[str, Any]], path: Path) -> None:
+def plot_memory(results: dict[str, dict[str, Any]], threads: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,7 +299,7 @@ def plot_memory(results: dict[str, dict[str, Any]], path: Path) -> None:
         axes.set_ylabel("peak MiB during the step")
         axes.set_ylim(bottom=0)
         axes.legend(fontsize=7)
-    figure.suptitle("peak memory vs step time, 1 thread (lower left is better)")
+    figure.suptitle(f"peak memory vs step time, {threads} thread(s) (lower left is better)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -365,7 +366,8 @@ def main() -> None:
     sweeps: dict[str, dict[str, Any]] = {}
     first_calls: dict[str, dict[str, dict[str, Any]]] = {}
     for name in models:
-        for threads in thread_counts[:1] if args.memory_only else thread_counts if not args.first_call_only else ():
+        timed_threads = [] if args.first_call_only else thread_counts[:1] if args.memory_only else thread_counts
+        for threads in timed_threads:
             sweep = threads == thread_counts[0]
             result = run_child(["timing", name, str(threads), "sweep" if sweep else "-", str(args.repeats), args.clock],
                                shared_cache)
@@ -395,31 +397,29 @@ def main() -> None:
         write_report("compiled_first_call", text)
         return
     memory_table, memory_goals = memory_section(sweeps)
-    if args.memory_only:
-        text = (f"({date.today().isoformat()}; {os.cpu_count()}-core CPU ({cpu_name()}), torch {torch.__version__}, "
-                f"medians of {args.repeats} interleaved rounds, {args.clock} clock; ran {minutes:.1f} minutes)\n\n"
-                f"Peak memory during one step (profiler allocation events) and step time, {thread_counts[0]} "
-                f"thread(s):\n\n{memory_table}\n\nGoals:\n\n" + "\n".join(memory_goals))  # fmt: skip
-        print(f"\nCommand: `{command_line()}`\n\n{text}")
-        write_report("compiled_memory", text)
-        plot_memory(sweeps, OUT / "compiled_memory.png")
-        print(f"\nwrote {OUT / 'compiled_memory.md'} and {OUT / 'compiled_memory.png'}")
-        return
-    time_table, time_goals = time_section(timing)
     header = (f"({date.today().isoformat()}; {os.cpu_count()}-core CPU ({cpu_name()}), torch {torch.__version__}, "
               f"medians of {args.repeats} interleaved rounds, {args.clock} clock; ran {minutes:.1f} minutes"
               + ("; --quick: a smoke run, the numbers mean little" if args.quick else "") + ")")
+    memory_title = f"Peak memory during one step (profiler allocation events) and step time, {thread_counts[0]} thread(s):"
+    if args.memory_only:
+        text = f"{header}\n\n{memory_title}\n\n{memory_table}\n\nGoals:\n\n" + "\n".join(memory_goals)
+        print(f"\nCommand: `{command_line()}`\n\n{text}")
+        write_report("compiled_memory", text)
+        plot_memory(sweeps, thread_counts[0], OUT / "compiled_memory.png")
+        print(f"\nwrote {OUT / 'compiled_memory.md'} and {OUT / 'compiled_memory.png'}")
+        return
+    time_table, time_goals = time_section(timing)
     text = "\n\n".join([
         header,
         "Step time (forward + loss + backward) over eager:", time_table,
-        f"Peak memory during one step (profiler allocation events) and step time, {thread_counts[0]} thread(s):",
+        memory_title,
         memory_table,
         "First call (capture + compile + first step), 1 thread, fresh subprocesses:", first_table,
         "Goals:\n\n" + "\n".join(time_goals + memory_goals + first_goals),
     ])
     print(f"\nCommand: `{command_line()}`\n\n{text}")
     write_report("compiled", text)
-    plot_memory(sweeps, OUT / "compiled_memory.png")
+    plot_memory(sweeps, thread_counts[0], OUT / "compiled_memory.png")
     plot_time(timing, OUT / "compiled_time.png")
     print(f"\nwrote {OUT / 'compiled.md'}, {OUT / 'compiled_memory.png'} and {OUT / 'compiled_time.png'}")
 

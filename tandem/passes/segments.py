@@ -17,11 +17,13 @@ computed across a boundary early, and the units stay few and large enough to fus
 before every run kept the peak too, at up to a third more step time, and lstm_lm's 3,400 backward
 nodes cut into 76 units (it kept its plan as one unit) ran 46 % slower, into 11 units 5 %.
 
-Under a memory budget the first recompute run of the backward always starts a unit: the loss
-head's gradient (for a language model the logits' size, the largest value of the step) is then
-freed before inductor materialises the recomputed values, where one unit held both (lstm_lm at a
-budget of 0.8 peaked at 14.52 MiB, with the cut 13.02 MiB). Memory-aware plans recompute little
-and keep the head in one unit: there the cut raised gpt's peak by 0.5 MiB and hf-gpt2's by 0.9 MiB.
+When a memory budget was asked for, the first recompute run of the backward always starts a unit
+(whichever plan the budget picked): the loss head's gradient (for a language model the logits'
+size, the largest value of the step) is then freed before inductor materialises the recomputed
+values, where one unit held both (lstm_lm at a budget of 0.8 peaked at 14.52 MiB without the cut,
+13.02 MiB with it). ``mirror="memory-aware"`` keeps its head unit whole, since there the cut cost
+memory: every value crossing a boundary is materialised, which raised gpt's peak by 0.5 MiB and
+hf-gpt2's by 0.9 MiB.
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ def segments_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
         counted = counts_toward_size(node)
         recompute = MetaKey.RECOMPUTE_OF in node.meta
         cut_before_recompute = (keep_recompute_in_place and counted and recompute and not after_recompute
-                                and (size >= recompute_unit_min or (head_cut and node_phase == Phase.BACKWARD)))  # fmt: skip
-        if cut_before_recompute or (recompute and node_phase == Phase.BACKWARD):
-            head_cut = False  # only the first run of the backward
+                                and (size >= recompute_unit_min or head_cut))  # fmt: skip
+        if counted and recompute:  # recomputations are backward nodes: this is the backward's first run
+            head_cut = False
         if counted:
             after_recompute = recompute
         if node_phase != phase or (counted and size >= cap) or cut_before_recompute:

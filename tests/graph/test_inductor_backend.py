@@ -163,22 +163,25 @@ def test_recompute_runs_cut_the_backward_so_the_measured_peak_keeps_the_plan() -
     backward = [n for n in nodes if step.graph.phase_of(n) == Phase.BACKWARD and counts_toward_size(n)]
     minimum = max(RECOMPUTE_UNIT_MIN_NODES, len(backward) // RECOMPUTE_UNITS_MAX)
     size, cuts, after_recompute = 0, 0, False  # size: counted nodes of the unit before ``node``
-    first_backward_run = True
+    first_run, head_cut_size = True, None  # under a budget the backward's first run always starts a unit
     for previous, node in zip(nodes, nodes[1:]):
         size += counts_toward_size(previous)
         if counts_toward_size(previous):
             after_recompute = MetaKey.RECOMPUTE_OF in previous.meta
-        run_start = counts_toward_size(node) and MetaKey.RECOMPUTE_OF in node.meta and not after_recompute
+        recomputed = counts_toward_size(node) and MetaKey.RECOMPUTE_OF in node.meta
+        run_start = recomputed and not after_recompute
         new_unit = node.meta[MetaKey.SEGMENT] != previous.meta[MetaKey.SEGMENT]
-        backward = step.graph.phase_of(node) == Phase.BACKWARD
         if step.graph.phase_of(node) == step.graph.phase_of(previous):  # no caps: only the rule cuts
-            assert new_unit == (run_start and (size >= minimum or (backward and first_backward_run))), (node.name, size)
+            assert new_unit == (run_start and (size >= minimum or first_run)), (node.name, size)
             cuts += new_unit
-        if backward and MetaKey.RECOMPUTE_OF in node.meta:
-            first_backward_run = False
+            if new_unit and first_run:
+                head_cut_size = size
+        if recomputed:
+            first_run = False
         if new_unit:
             size = 0
     assert cuts > 1, "the backward is cut before recompute runs"
+    assert head_cut_size is not None and head_cut_size < minimum, "the first run starts a unit of its own"
     aten = tandem.compile(module, loss_fn, *batch, backend="aten", mirror=0.4, bulk_fwd=10**6, bulk_bwd=10**6)
     assert len({n.meta[MetaKey.SEGMENT] for n in aten.graph.op_nodes()}) == 2, "aten runs nodes in order: no cuts"
 
