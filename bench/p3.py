@@ -325,15 +325,15 @@ def goals(measured: dict[tuple[str, str], dict[str, dict[str, Any]]], batch: dic
                          f"({collective[best]:.0f} vs {ddp:.0f} samples/s)")  # fmt: skip
         ps = {mode: speed[mode] for mode in ("p3", "p3-auto") if mode in speed}
         if ps:
-            best = max(ps, key=ps.__getitem__)
+            best_ps = max(ps, key=ps.__getitem__)
             if _rate_bits(rate) == 1e9:
-                share = ps[best] / ideal
+                share = ps[best_ps] / ideal
                 lines.append(f"{'met' if share >= 0.75 else 'MISSED'}: parameter-server p3 >= 75% of ideal on {model}"
-                             f" at {rate}: {best} {share:.0%} ({ps[best]:.0f} of {ideal:.0f} samples/s)")  # fmt: skip
+                             f" at {rate}: {best_ps} {share:.0%} ({ps[best_ps]:.0f} of {ideal:.0f} samples/s)")  # fmt: skip
             if _rate_bits(rate) == 1e8:
-                ratio = ps[best] / ddp
+                ratio = ps[best_ps] / ddp
                 lines.append(f"{'met' if ratio >= 1.0 else 'MISSED'}: parameter-server p3 >= 1.0x ddp on {model} at "
-                             f"{rate}: {best} {ratio:.2f}x ({ps[best]:.0f} vs {ddp:.0f} samples/s)")  # fmt: skip
+                             f"{rate}: {best_ps} {ratio:.2f}x ({ps[best_ps]:.0f} vs {ddp:.0f} samples/s)")  # fmt: skip
     return lines
 
 

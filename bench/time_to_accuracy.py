@@ -9,7 +9,8 @@ its own network namespace with its NIC shaped to the link rate (as bench/p3.py).
 - ddp, ddp+fp16, ddp+powersgd: torch DistributedDataParallel over gloo, plain and with its
   communication hooks (bench/p3.py's ``ddp_wrap``: fp16_compress_hook; powerSGD_hook, rank 2,
   vanilla all-reduce for the first 2 steps).
-The same everywhere: initial weights (seed 0), global batch (``--batch``, split evenly over the
+The same everywhere: initial weights and sample order (seed 0; ``--seeds N`` runs every mode with
+seeds 0..N-1, round-robin over the modes, and reports medians), global batch (``--batch``, split evenly over the
 workers), the order of the samples (one permutation per epoch, each global batch cut into one
 contiguous piece per worker), SGD with the same learning rate and momentum, gradients averaged over
 the workers, the optimizer on the workers (``update_on_kvstore=False``: the parameter-server pulls
@@ -70,13 +71,13 @@ def _data() -> tuple[Any, Any]:
     return data.digits("train"), data.digits("test")
 
 
-def _model() -> tuple[Any, Any]:
+def _model(seed: int = 0) -> tuple[Any, Any]:
     import torch
 
     from tandem.models import ZOO
 
     entry = ZOO[MODEL[0]]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return entry.build(**MODEL[1]), entry.loss_fn
 
 
@@ -109,7 +110,7 @@ def _accuracy(module: Any, test: Any) -> float:
 def _train(rank: int, step: Any, drain: Any, evaluate: Any, args: dict[str, Any]) -> None:
     """The timed loop every mode shares; rank 0 reports its curve."""
     train, _ = _data()
-    batches = _batches(train, rank, args["workers"], args["batch"])
+    batches = _batches(train, rank, args["workers"], args["batch"], args["seed"])
     curve: list[tuple[int, float, float]] = []
     elapsed, first = 0.0, None
     start = time.perf_counter()
@@ -141,7 +142,7 @@ def tandem_job(mode: str, args: dict[str, Any]) -> None:
     if kvstore.is_server():
         sys.exit(kvstore.serve(KINDS[base]))
     torch.set_num_threads(1)
-    module, loss_fn = _model()
+    module, loss_fn = _model(args["seed"])
     trainer = Trainer(module, loss_fn, tandem.optim.SGD(lr=args["lr"], momentum=args["momentum"]),
                       kvstore=KINDS[base], communication=base.removeprefix("collective-"),
                       gradient_compression=compression or None, update_on_kvstore=False, progress=False)  # fmt: skip
@@ -162,7 +163,7 @@ def ddp_job(mode: str, rank: int, master: str, port: int, args: dict[str, Any]) 
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=args["workers"])
-    module, loss_fn = _model()
+    module, loss_fn = _model(args["seed"])
     wrapped = ddp_wrap(module, mode.partition("+")[2])
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=args["lr"], momentum=args["momentum"])
     _, test = _data()
@@ -221,6 +222,22 @@ def run_mode(mode: str, rate: str, workers: int, job: dict[str, Any]) -> dict[st
     return _report(output, what)
 
 
+def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's runs (one per seed) as one result: medians, and the target as reached only where at
+    least half the runs reached it (the medians then over those runs); the curve is the first seed's."""
+    from statistics import median
+
+    hits = [run for run in runs if run["time_to_target"] is not None]
+    reached = len(hits) * 2 >= len(runs)
+    return {"curve": runs[0]["curve"], "runs": len(runs), "reached_runs": len(hits),
+            "time_to_target": median(run["time_to_target"] for run in hits) if reached else None,
+            "less_first_step": median(run["time_to_target"] - run["first_step"] for run in hits) if reached else None,
+            "steps_to_target": median(run["steps_to_target"] for run in hits) if reached else None,
+            "final_accuracy": median(run["final_accuracy"] for run in runs),
+            "first_step": median(run["first_step"] for run in runs),
+            "train_seconds": median(run["train_seconds"] for run in runs)}  # fmt: skip
+
+
 def _plot(curves: dict[tuple[str, int], dict[str, dict[str, Any]]], target: float) -> Path:
     import matplotlib
 
@@ -266,6 +283,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch (split evenly over the workers)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="runs per mode, seeds 0..N-1 (initial weights and sample order), medians reported")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 40 steps, ddp and collective-p3 (+fp16) only; not a measurement")
     args = parser.parse_args()
@@ -273,6 +292,8 @@ def main() -> None:
     if args.quick:
         args.steps, args.eval_every = 40, 10
         modes = args.modes or ["collective-p3", "collective-p3+fp16", "ddp", "ddp+fp16"]
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
     if any(args.batch % workers for workers in args.workers):
         parser.error(f"--batch {args.batch} must split evenly over --workers {args.workers}")
     curves: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
@@ -281,13 +302,17 @@ def main() -> None:
         for rate in args.rates:
             job = {"workers": workers, "batch": args.batch, "steps": args.steps, "eval_every": args.eval_every,
                    "lr": args.lr, "momentum": args.momentum, "target": args.target}  # fmt: skip
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+            for seed in range(args.seeds):  # round-robin: a slow phase of the machine hits every mode alike
+                for mode in modes:
+                    runs[mode].append(result := run_mode(mode, rate, workers, {**job, "seed": seed}))
+                    print(f"{workers} workers, {rate}, {mode}, seed {seed}: time to target {result['time_to_target']}, "
+                          f"final accuracy {result['final_accuracy']:.4f}, first step {result['first_step']:.2f} s",
+                          flush=True)  # fmt: skip
             results = curves.setdefault((rate, workers), {})
-            for mode in modes:
-                results[mode] = result = run_mode(mode, rate, workers, job)
-                print(f"{workers} workers, {rate}, {mode}: time to target {result['time_to_target']}, final accuracy "
-                      f"{result['final_accuracy']:.4f}, first step {result['first_step']:.2f} s", flush=True)
+            results.update((mode, _aggregate(mode_runs)) for mode, mode_runs in runs.items())
             # the goal's clock: time to target less the first step (capture), for every mode alike
-            reached = {mode: result["time_to_target"] - result["first_step"] for mode, result in results.items()
+            reached = {mode: result["less_first_step"] for mode, result in results.items()
                        if result["time_to_target"] is not None}  # fmt: skip
             ddp_reached = [mode for mode in reached if mode.startswith("ddp")]
             best_ddp = min(ddp_reached, key=reached.__getitem__) if ddp_reached else None
@@ -298,7 +323,8 @@ def main() -> None:
                 ratio = reached[mode] / reached[best_ddp] if mode in reached and best_ddp else "-"
                 rows.append([workers, rate, mode, "not reached" if seconds is None else seconds,
                              reached.get(mode, "-"), result["steps_to_target"] or "-", result["final_accuracy"], ratio,
-                             result["first_step"], result["train_seconds"]])  # fmt: skip
+                             result["first_step"], result["train_seconds"]]
+                            + ([f"{result['reached_runs']}/{result['runs']}"] if args.seeds > 1 else []))  # fmt: skip
             if best_ddp and best_ours:
                 ratio = reached[best_ours] / reached[best_ddp]
                 gap = (results[best_ours]["final_accuracy"] - results[best_ddp]["final_accuracy"]) * 100
@@ -313,13 +339,15 @@ def main() -> None:
                 goals.append(f"MISSED: {workers} workers at {rate}: the target was not reached by "
                              f"{'DDP' if not best_ddp else 'tandem'} in {args.steps} steps")  # fmt: skip
     table = markdown_table(["workers", "link", "mode", "time to target s", "less first step s", "steps to target",
-                            "final accuracy", "vs best ddp (less first step)", "first step s", f"{args.steps} steps s"],
-                           rows)  # fmt: skip
+                            "final accuracy", "vs best ddp (less first step)", "first step s", f"{args.steps} steps s"]
+                           + (["runs reaching target"] if args.seeds > 1 else []), rows)  # fmt: skip
     note = (f"digits ResNet (depth 8, width 16), global batch {args.batch}, SGD lr {args.lr} momentum {args.momentum}, "
             f"{args.steps} steps, target test accuracy {args.target}, evaluated every {args.eval_every} steps; "
             "training wall time of rank 0 from its first step (first step and drains included, evaluation "
             "excluded); 'less first step': the same less the first step's time (capture), which the goal and the "
-            "ratios use; one run per mode" + (" (--quick: a smoke run, not a measurement)" if args.quick else ""))  # fmt: skip
+            "ratios use; " + ("one run per mode" if args.seeds == 1 else
+                              f"medians of {args.seeds} runs per mode (seeds 0-{args.seeds - 1}), the target counted "
+                              "as reached where at least half the runs reached it") + (" (--quick: a smoke run, not a measurement)" if args.quick else ""))  # fmt: skip
     goal_text = "\n".join(f"- {line}" for line in goals)
     report = write_report("time_to_accuracy", f"{note}\n\n{table}\n\nGoal:\n\n{goal_text}")
     plot = _plot(curves, args.target)
