@@ -737,18 +737,28 @@ def _prediction(workload: Workload, cluster: Cluster, strategy: Strategy, iterat
 # -- collective all-reduce ---------------------------------------------------------------------------------
 
 
+def _ring_steps(nbytes: float, workers: int, gather: bool = False) -> tuple[int, float]:
+    """A ring collective's steps and the bytes each link moves over them: an all-reduce of ``nbytes``
+    takes 2(W-1) steps of nbytes/W; an all-gather of every worker's ``nbytes`` W-1 steps of nbytes."""
+    if gather:
+        return workers - 1, (workers - 1) * nbytes
+    steps = 2 * (workers - 1)
+    return steps, steps / workers * nbytes
+
+
+def _ring_seconds(nbytes: float, cluster: Cluster, gather: bool) -> float:
+    steps, moved = _ring_steps(nbytes, cluster.workers, gather)
+    return moved / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.machine.message_s)
+
+
 def allreduce_seconds(nbytes: float, cluster: Cluster) -> float:
     """A ring all-reduce of ``nbytes`` over ``workers``: 2(W-1) steps, each moving nbytes/W on every link."""
-    steps = 2 * (cluster.workers - 1)
-    if steps == 0:
-        return 0.0
-    return steps / cluster.workers * nbytes / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.machine.message_s)
+    return _ring_seconds(nbytes, cluster, gather=False)
 
 
 def allgather_seconds(nbytes: float, cluster: Cluster) -> float:
     """A ring all-gather of every worker's ``nbytes``: W-1 steps, each moving nbytes on every link."""
-    steps = cluster.workers - 1
-    return steps * nbytes / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.machine.message_s)
+    return _ring_seconds(nbytes, cluster, gather=True)
 
 
 def _allreduce(workload: Workload, cluster: Cluster, strategy: Strategy) -> Prediction:
@@ -815,10 +825,10 @@ class _CollectiveSim:
     def collective(self, nbytes: float, done: Callable[[], None], gather: bool = False) -> None:
         """An all-reduce of ``nbytes`` (``gather``: an all-gather of each worker's ``nbytes``): ``done``
         once the ring's time has passed and this worker's CPU for it is spent."""
-        workers, machine = self.c.workers, self.c.machine
-        steps, moved = (workers - 1, (workers - 1) * nbytes) if gather else (2 * (workers - 1), 2 * (workers - 1) / workers * nbytes)
+        machine = self.c.machine
+        steps, moved = _ring_steps(nbytes, self.c.workers, gather)
         cpu_s = steps * 2 * machine.message_s + 2 * moved * machine.byte_s  # each step a send and a receive
-        seconds = allgather_seconds(nbytes, self.c) if gather else allreduce_seconds(nbytes, self.c)
+        seconds = _ring_seconds(nbytes, self.c, gather)
         left = [2]
 
         def part() -> None:
