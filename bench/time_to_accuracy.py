@@ -45,12 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import OUT, command_line, markdown_table, write_report  # noqa: E402
+from bench.p3 import DDP_MODES, KINDS  # noqa: E402  (the mode -> kvstore kind map every bench shares)
 
 MODEL = ("resnet", {"depth": 8, "width": 16, "in_channels": 1, "small_input": True})  # tandem train's digits preset
 TANDEM_MODES = ("baseline", "overlap", "p3", "collective-p3")
-KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "collective-p3": "collective"}
 COMPRESSIONS = ("fp16", "2bit")
-DDP_MODES = ("ddp", "ddp+fp16", "ddp+powersgd")
 SERVERS = 2
 JOB_TIMEOUT = 900
 MARK = "TTABENCH "
