@@ -6,7 +6,7 @@
   trace of the step, then a second trace of the joint graph on the real tensors.
 * **tandem export**: ``tandem.graph.joint.export_joint``: the same graph from the first trace alone.
 * **tandem.compile**: the whole of ``tandem.compile(...)``: capture (export under tandem's tracing
-  state, no per-node stack traces) and planning (mirror off).
+  state, no per-node stack traces) and planning (mirror off); the capture cache off, so every round traces.
 
 The two exports run under tandem's tracing state (``capture._tracing``), so they differ only in the
 second trace. One process, one torch thread, rounds interleaved after one warm-up round (torch's
@@ -16,6 +16,7 @@ lazy imports), process CPU time. Writes bench/out/capture_time.md and capture_ti
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median; at least 5)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    os.environ["TANDEM_CAPTURE_CACHE"] = "0"  # each round traces: a cached graph would time the load
     rows, speedups, names = [], [], args.models.split(",")
     for name in names:
         medians = interleaved_medians(candidates(name), repeats=args.repeats, warmup=1, clock=time.process_time)

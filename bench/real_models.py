@@ -353,6 +353,7 @@ def main() -> None:
         parser.error("--repeats must be at least 5 (medians)")
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="tandem-bench-inductor-"))
+    os.environ["TANDEM_CAPTURE_CACHE"] = "0"  # the capture column times tracing, not loading a cached graph
     ensure_importable()  # before transformers / timm import torchvision
     logging.getLogger("transformers").setLevel(logging.ERROR)
     with contextlib.suppress(ImportError):

@@ -43,6 +43,10 @@ _declare("TANDEM_BULK_MAX_NODE_TRAIN_BWD", int, -1, "backward cap; overrides TAN
 # backend
 _declare("TANDEM_BACKEND", str, "aten",
          "how segments become code: 'aten' (generated Python over aten ops) or 'inductor' (compiled kernels)")
+# capture
+_declare("TANDEM_CAPTURE_CACHE", bool, True,
+         "keep captured step graphs on disk (under inductor's cache directory) and load them in later processes "
+         "instead of tracing the same model and batch shapes again (0: always trace)")
 # mirroring
 _declare("TANDEM_MIRROR", str, "off", "backward mirroring policy: off, all, sqrt, memory-aware, a fraction, or '300MB'")
 # kvstore

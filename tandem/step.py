@@ -119,6 +119,7 @@ class _Compiled:
     executor: Executor
     memory: MemoryStats | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # capture_s, plan_s
+    capture_cache: str = "off"  # hit (loaded), miss (traced and stored), bypass (hooks: traced), off
 
 
 @dataclass
@@ -206,7 +207,9 @@ class TrainStep:
 
         Keys: ``backend``, ``capture_s`` (tracing the module and its backward), ``plan_s`` (the
         passes), ``compile_s`` (the inductor backend compiling its segments; 0 for aten), and
-        ``fallbacks`` (segment -> why it runs its aten code: inductor could not compile it).
+        ``fallbacks`` (segment -> why it runs its aten code: inductor could not compile it), and
+        ``capture_cache``: ``hit`` (the graph came from the capture cache), ``miss`` (traced, then
+        stored), ``bypass`` (a module of the tree has hooks: traced, not stored) or ``off``.
 
         Example:
             ```python
@@ -216,7 +219,7 @@ class TrainStep:
             ```
         """
         compiled = self._last or next(iter(self._compiled.values()))
-        return {**compiled.executor.compile_report(), **compiled.seconds}
+        return {**compiled.executor.compile_report(), **compiled.seconds, "capture_cache": compiled.capture_cache}
 
     @property
     def graph(self) -> TrainGraph:
@@ -296,6 +299,7 @@ class TrainStep:
         executor.hooks, executor.segment_hooks = self._hooks, self._segment_hooks
         compiled = self._compiled[key] = _Compiled(graph, executor)
         compiled.seconds = {"capture_s": captured - start, "plan_s": time.perf_counter() - captured}
+        compiled.capture_cache = traced.notes.get("capture_cache", "off")
         return compiled
 
     def _trace(self, batch: Sequence[Any]) -> TrainGraph:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,9 @@ import torch
 from torch import nn
 
 torch.set_num_threads(1)  # the CI machine has 2 cores; tests stay predictable and do not oversubscribe
+# Every test traces its step (the processes it starts inherit this); tests/graph/test_capture_cache.py
+# turns the capture cache on in a directory of its own.
+os.environ.setdefault("TANDEM_CAPTURE_CACHE", "0")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups

@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from tandem.errors import CaptureError
+from tandem.graph import capture_cache
 from tandem.graph.batch import BatchLayout
 from tandem.graph.joint import UNUSED_PARAMETER, export_joint
 from tandem.graph.train_graph import MetaKey, Phase, TrainGraph
@@ -65,14 +66,27 @@ def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any], checkpoint
     ``batch`` holds tensors or pytrees of them (dicts, tuples); the graph takes the tensor leaves.
     With ``checkpoint_regions``, forward nodes that ran inside ``torch.utils.checkpoint`` are marked
     (``MetaKey.CHECKPOINT``), so the mirror pass recomputes them in backward as eager would.
+    A graph this or an earlier process captured for the same key is loaded from the capture cache
+    instead (``tandem/graph/capture_cache.py``: what the key holds, ``TANDEM_CAPTURE_CACHE=0``).
     """
     layout, tensors = _check_arguments(module, loss_fn, batch)
+    cache_key = capture_cache.key(module, loss_fn, layout, {"checkpoint_regions": checkpoint_regions}) \
+        if capture_cache.enabled() else None
+    cached = capture_cache.load(cache_key, layout) if cache_key is not None else None
+    if cached is not None:
+        cached.notes["capture_cache"] = "hit"
+        return cached
     wrapper = _LossModule(module, loss_fn, layout)
     try:
         graph_module, signature = _export(wrapper, tensors, [])
     except _UnusedParameter:  # rare: probe once which parameters no gradient reaches, export again
         graph_module, signature = _export(wrapper, tensors, _unused_parameters(wrapper, tensors))
-    return _to_train_graph(graph_module, signature, layout, _alias_groups(module), checkpoint_regions=checkpoint_regions)
+    train_graph = _to_train_graph(graph_module, signature, layout, _alias_groups(module),
+                                  checkpoint_regions=checkpoint_regions)
+    if cache_key is not None:
+        capture_cache.store(cache_key, train_graph)
+    train_graph.notes["capture_cache"] = "off" if not capture_cache.enabled() else "miss" if cache_key else "bypass"
+    return train_graph
 
 
 class _EvalModule(_LossModule):
