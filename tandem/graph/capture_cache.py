@@ -92,7 +92,7 @@ def _digest(module: nn.Module, loss_fn: Callable[..., Any], layout: BatchLayout,
     defining = [*_classes(module), type(loss_fn), *([loss_fn] if isinstance(loss_fn, types.FunctionType) else [])]
     for path in sorted({*_source_files(defining), *_user_files()}):
         add(path, _file_digest(path))
-    add(sorted(_package_versions(defining).items()))
+    add(sorted(_package_versions(defining).items()), _live_code(defining))
     identity = {id(p): name for name, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
     for name, parameter in module.named_parameters(remove_duplicate=False):
         add(name, tuple(parameter.shape), parameter.dtype, parameter.device, parameter.requires_grad,
@@ -140,9 +140,8 @@ def _describe(value: Any, depth: int = 0) -> Any:
         return ("dict", sorted((repr(k), repr(_describe(v, depth + 1))) for k, v in value.items()))
     if isinstance(value, types.FunctionType | types.MethodType):
         function = value.__func__ if isinstance(value, types.MethodType) else value
-        code = function.__code__
         closure = [_describe(cell.cell_contents, depth + 1) for cell in function.__closure__ or ()]
-        return ("function", function.__module__, function.__qualname__, code.co_code.hex(), repr(code.co_consts),
+        return ("function", function.__module__, function.__qualname__, _code_digest(function.__code__),
                 closure, _describe(function.__defaults__, depth + 1))
     if isinstance(value, functools.partial):
         return ("partial", _describe(value.func, depth + 1), _describe(value.args, depth + 1),
@@ -161,6 +160,38 @@ def _describe(value: Any, depth: int = 0) -> Any:
     if depth < _DESCRIBE_DEPTH and hasattr(value, "__dict__"):  # a config object: by its fields
         return (kind, _describe(dict(vars(value)), depth + 1))
     return (kind, repr(value))  # a repr with an address differs in every process: a miss, never a wrong hit
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """Bytecode, the names it reads (``torch.relu`` and ``torch.tanh`` differ only there) and its
+    constants, nested code objects (lambdas, comprehensions) by their own digest: no addresses."""
+    return hashlib.sha256(repr((code.co_code, code.co_names, code.co_varnames,
+                                [_constant(c) for c in code.co_consts])).encode()).hexdigest()
+
+
+def _constant(value: Any) -> Any:
+    if isinstance(value, types.CodeType):
+        return _code_digest(value)
+    if isinstance(value, tuple):
+        return tuple(_constant(item) for item in value)
+    if isinstance(value, frozenset):  # `x in {"a", "b"}`: its repr's order moves with the string hash seed
+        return sorted(repr(_constant(item)) for item in value)
+    return repr(value)
+
+
+def _live_code(objects: list[Any]) -> list[tuple[str, str, str]]:
+    """The functions and methods of the modules defining ``objects`` as they are now: a monkeypatch
+    of an installed library (a method or helper replaced at run time) is not in its file."""
+    described = []
+    for name in sorted({getattr(obj, "__module__", "") or "" for obj in objects}):
+        for attribute, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else []:
+            if isinstance(value, type):
+                described += [(name, f"{attribute}.{method}", _code_digest(function.__code__))
+                              for method, function in sorted(vars(value).items())
+                              if isinstance(function, types.FunctionType)]
+            elif isinstance(value, types.FunctionType):
+                described.append((name, attribute, _code_digest(value.__code__)))
+    return described
 
 
 def _classes(module: nn.Module) -> list[type]:

@@ -81,18 +81,25 @@ def test_a_new_process_loads_what_another_stored(cache_dir: Path) -> None:
         import tandem
         from tests.conftest import zoo_case
         torch.set_num_threads(1)
-        module, loss_fn, batch = zoo_case("gpt")
-        step = tandem.compile(module, loss_fn, *batch)
-        torch.manual_seed(5)
-        result = step(*batch)
-        print(json.dumps({"cache": step.compile_report()["capture_cache"], "loss": result.loss.item(),
-                          "grad": sum(g.double().sum().item() for g in result.grads.values())}))
+        results = {}
+        for name in ("gpt", "resnet"):
+            module, loss_fn, batch = zoo_case(name)
+            step = tandem.compile(module, loss_fn, *batch)
+            torch.manual_seed(5)
+            result = step(*batch)
+            results[name] = [step.compile_report()["capture_cache"], result.loss.item(),
+                             sum(g.double().sum().item() for g in result.grads.values())]
+        print(json.dumps(results))
     """)
-    runs = [json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                                      timeout=300, env=dict(os.environ)).stdout.strip().splitlines()[-1])
-            for _ in range(2)]
-    assert [run["cache"] for run in runs] == ["miss", "hit"]
-    assert runs[0]["loss"] == runs[1]["loss"] and runs[0]["grad"] == runs[1]["grad"]  # float64: bit for bit
+    runs = []
+    for seed in ("1", "2"):  # string hashing differs between the processes, as it does between runs
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for name in ("gpt", "resnet"):
+        (first_cache, *first), (second_cache, *second) = runs[0][name], runs[1][name]
+        assert (first_cache, second_cache) == ("miss", "hit"), name
+        assert first == second, name  # float64, the same graph: bit for bit
 
 
 def _key(module: nn.Module, loss_fn: object, batch: tuple[torch.Tensor, ...], **options: bool) -> str | None:
@@ -118,9 +125,21 @@ def test_the_key_moves_with_what_the_trace_reads() -> None:
     assert _key(module, loss_fn, batch) != base  # a module's attribute
     dropout.p = probability
     assert _key(module, loss_fn, batch) == base
+    assert _key(module, lambda m, x, y: loss_fn(m, x.relu(), y), batch) != \
+        _key(module, lambda m, x, y: loss_fn(m, x.tanh(), y), batch)  # same bytecode, other names
     handle = module.register_forward_hook(lambda *_: None)
     assert _key(module, loss_fn, batch) is None  # hooks are code the key cannot name: not cached
     handle.remove()
+
+
+def test_the_key_moves_with_a_monkeypatched_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.models.gpt import FeedForward
+
+    module, loss_fn, batch = zoo_case("gpt")
+    base = _key(module, loss_fn, batch)
+    original = FeedForward.forward
+    monkeypatch.setattr(FeedForward, "forward", lambda self, x: original(self, x) * 2)  # the file is unchanged
+    assert _key(module, loss_fn, batch) != base
 
 
 def test_the_key_moves_with_a_constant_tensor_and_ties() -> None:
