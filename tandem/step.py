@@ -119,7 +119,7 @@ class _Compiled:
     executor: Executor
     memory: MemoryStats | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # capture_s, plan_s
-    capture_cache: str = "off"  # hit (loaded), miss (traced and stored), bypass (hooks: traced), off
+    capture_cache: str = "off"  # hit (loaded), miss (traced, stored), bypass (hooks: traced), off
 
 
 @dataclass
@@ -205,11 +205,12 @@ class TrainStep:
     def compile_report(self) -> dict[str, Any]:
         """Where the first call's time went, for the most recent batch layout.
 
-        Keys: ``backend``, ``capture_s`` (tracing the module and its backward), ``plan_s`` (the
-        passes), ``compile_s`` (the inductor backend compiling its segments; 0 for aten), and
-        ``fallbacks`` (segment -> why it runs its aten code: inductor could not compile it), and
-        ``capture_cache``: ``hit`` (the graph came from the capture cache), ``miss`` (traced, then
-        stored), ``bypass`` (a module of the tree has hooks: traced, not stored) or ``off``.
+        Keys: ``backend``; ``capture_s`` (tracing the module and its backward, or loading that
+        graph from the capture cache); ``plan_s`` (the passes); ``compile_s`` (the inductor
+        backend compiling its segments; 0 for aten); ``fallbacks`` (segment -> why it runs its
+        aten code: inductor could not compile it); ``capture_cache``: ``hit`` (the graph came from
+        the capture cache), ``miss`` (traced, and stored where it can be), ``bypass`` (a module of
+        the tree has hooks: traced, not stored) or ``off``.
 
         Example:
             ```python

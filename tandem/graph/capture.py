@@ -70,8 +70,9 @@ def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any], checkpoint
     instead (``tandem/graph/capture_cache.py``: what the key holds, ``TANDEM_CAPTURE_CACHE=0``).
     """
     layout, tensors = _check_arguments(module, loss_fn, batch)
+    caching = capture_cache.enabled()
     cache_key = capture_cache.key(module, loss_fn, layout, {"checkpoint_regions": checkpoint_regions}) \
-        if capture_cache.enabled() else None
+        if caching else None
     cached = capture_cache.load(cache_key, layout) if cache_key is not None else None
     if cached is not None:
         cached.notes["capture_cache"] = "hit"
@@ -85,7 +86,7 @@ def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any], checkpoint
                                   checkpoint_regions=checkpoint_regions)
     if cache_key is not None:
         capture_cache.store(cache_key, train_graph)
-    train_graph.notes["capture_cache"] = "off" if not capture_cache.enabled() else "miss" if cache_key else "bypass"
+    train_graph.notes["capture_cache"] = "miss" if cache_key is not None else "bypass" if caching else "off"
     return train_graph
 
 

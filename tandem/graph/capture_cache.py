@@ -2,24 +2,25 @@
 model on the same batch shapes loads the graph instead of tracing the step again.
 
 Tracing is most of a warm first call: AOT autograd traces every op of the forward and of
-autograd's backward on fake tensors, about 1 ms a node (lstm_lm, unrolled over 32 time steps:
-3,900 nodes, 3.6-7.5 s), while inductor's own caches make compiling the segments a few seconds.
-Loading the pickled graph takes a quarter of the trace (the fake values are rebuilt, not traced).
+autograd's backward on fake tensors, about 1 ms a node (lstm_lm's 3,900 nodes: 4-7 s), while
+inductor's own caches bring compiling the segments down to a few seconds. Loading the pickled
+graph rebuilds the fake values instead of tracing them: a fraction of the time.
 
-**What the key holds** (everything a trace on fake tensors can depend on; a difference is a miss):
-the source of every file that defines a class of the module tree or the loss function, and of
-every loaded module outside the standard library and installed packages (the user's helper
-functions); the versions of torch, Python and each installed package those classes come from;
-each submodule's class, training flag and attributes (configs, flags, plain tensor constants by
-value); parameter and buffer names, shapes, dtypes, devices and ties; the batch's layout; the
-default dtype, grad and autocast modes; the capture options. Parameter and buffer *values* are not
-in it: the trace never reads them. A module tree with hooks is not cached (hooks are code the key
-cannot name).
+**What the key holds** (what a trace on fake tensors can depend on; a difference is a miss): the
+source of every file that defines a class of the module tree or the loss function, of tandem,
+and of every other loaded module outside the standard library and installed packages; the
+functions and methods of the modules defining those classes as they are in memory
+(monkeypatches); the versions of torch, Python and the packages those classes come from; each
+submodule's class, training flag and attributes (configs, functions by their code, tensor
+constants by value); parameter and buffer names, shapes, dtypes, devices and ties; the batch's
+layout; default dtype, grad and autocast modes; the capture options. Parameter and buffer
+*values* are not in it: the trace never reads them. A module tree with hooks is not cached
+(hooks are code the key cannot name). docs/capture.md says what the key cannot see.
 
 **Where**: ``tandem_capture/`` under inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``,
-default ``/tmp/torchinductor_$USER``), so clearing one clears both. Entries are pickles written
-by this process's user: a directory or file another user owns or may write to is ignored.
-``TANDEM_CAPTURE_CACHE=0`` turns the cache off.
+default ``/tmp/torchinductor_$USER``), so clearing one clears both. Entries are pickles, loaded
+only from a directory and files this user owns and no one else may write. ``TANDEM_CAPTURE_CACHE=0``
+turns the cache off.
 """
 
 from __future__ import annotations
@@ -296,16 +297,22 @@ def store(cache_key: str, graph: TrainGraph) -> None:
         data = GraphPickler.dumps(_entry(graph), Options(ops_filter=None))
         # written whole, then renamed: a process reading at the same time sees all of it or nothing
         handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-        os.replace(temporary, folder / f"{cache_key}.pkl")
+        try:
+            with os.fdopen(handle, "wb") as file:
+                file.write(data)
+            os.replace(temporary, folder / f"{cache_key}.pkl")
+        finally:
+            Path(temporary).unlink(missing_ok=True)  # gone already once renamed
     except Exception as error:
         log.info("tandem: the captured graph was not cached (%s: %s)", type(error).__name__, error)
 
 
 def _trusted(path: Path) -> bool:
     """Owned by this user and writable by no one else: only then may its pickles be loaded."""
-    info = path.stat()
+    try:
+        info = path.stat()
+    except OSError:  # removed meanwhile (another process dropped a broken entry): a miss
+        return False
     if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         log.warning("tandem: not using the capture cache at %s: it must belong to this user and be writable "
                     "by no one else (fix its owner and mode, or set TANDEM_CAPTURE_CACHE=0)", path)
