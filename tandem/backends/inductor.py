@@ -61,12 +61,30 @@ def warm_up() -> None:
 
     def probe() -> None:
         try:
-            cpu_vec_isa.pick_vec_isa()  # its answer is cached for the process (valid_vec_isa_list)
+            # inductor probes the candidate sets one after another (a C++ build and a subprocess each:
+            # three here); probed side by side, each answer is cached on its set (functools.cache)
+            candidates = _candidate_instruction_sets(cpu_vec_isa)
+            probes = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in candidates]
+            for thread in probes:
+                thread.start()
+            for thread in probes:
+                thread.join(WARM_UP_TIMEOUT_S)
+            cpu_vec_isa.pick_vec_isa()  # from those answers; cached for the process (valid_vec_isa_list)
         except Exception:  # a warm-up only: the compile that needs the answer probes again
             pass
 
     _warm_up = threading.Thread(target=probe, name="tandem-inductor-warm-up", daemon=True)
     _warm_up.start()
+
+
+def _candidate_instruction_sets(cpu_vec_isa: Any) -> list[Any]:
+    """The vector instruction sets inductor would probe on this CPU (x86 only; elsewhere none: it probes itself)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
 
 
 def _await_warm_up() -> None:

@@ -101,7 +101,8 @@ def test_compile_report() -> None:
     module, loss_fn, batch = zoo_case("mlp", torch.float32)
     step = tandem.compile(module, loss_fn, *batch, backend="inductor")
     before = step.compile_report()
-    assert set(before) == {"backend", "compile_s", "fallbacks", "capture_s", "plan_s"}
+    assert set(before) == {"backend", "compile_s", "fallbacks", "capture_s", "plan_s", "capture_cache"}
+    assert before["capture_cache"] == "off"  # the test suite traces every step (tests/conftest.py)
     assert before["compile_s"] == 0 and before["fallbacks"] == {}
     step(*batch)
     after = step.compile_report()
@@ -118,6 +119,20 @@ def test_inductors_cpu_probe_runs_during_capture_and_compiling_waits_for_it(monk
     assert inductor._warm_up is not None, "capture started the probe"
     step(*batch)
     assert not inductor._warm_up.is_alive(), "the first compile waited for it"
+
+
+def test_the_probes_side_by_side_pick_what_inductor_picks_alone() -> None:
+    """The warm-up probes every candidate instruction set at once; inductor's own sequential probe,
+    in a fresh process, must pick the same set."""
+    import subprocess
+    import sys
+
+    alone = "from torch._inductor import cpu_vec_isa; print(cpu_vec_isa.pick_vec_isa())"
+    warmed = ("from torch._inductor import cpu_vec_isa; from tandem.backends import inductor; inductor.warm_up(); "
+              "inductor._await_warm_up(); print(cpu_vec_isa.pick_vec_isa())")
+    picked = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             timeout=300).stdout.strip() for code in (alone, warmed)]
+    assert picked[0] == picked[1], picked
 
 
 # -- memory ----------------------------------------------------------------------------------
