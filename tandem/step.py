@@ -119,7 +119,7 @@ class _Compiled:
     executor: Executor
     memory: MemoryStats | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # capture_s, plan_s
-    capture_cache: str = "off"  # hit (loaded), miss (traced, stored), bypass (hooks: traced), off
+    capture_cache: str = "off"  # hit (loaded), miss (traced, stored), bypass (traced, not cacheable), off
 
 
 @dataclass
@@ -209,8 +209,8 @@ class TrainStep:
         graph from the capture cache); ``plan_s`` (the passes); ``compile_s`` (the inductor
         backend compiling its segments; 0 for aten); ``fallbacks`` (segment -> why it runs its
         aten code: inductor could not compile it); ``capture_cache``: ``hit`` (the graph came from
-        the capture cache), ``miss`` (traced, and stored where it can be), ``bypass`` (a module of
-        the tree has hooks: traced, not stored) or ``off``.
+        the capture cache), ``miss`` (traced, then stored), ``bypass`` (traced, not stored: hooks,
+        an attribute the key cannot describe, a directory it cannot use) or ``off``.
 
         Example:
             ```python

@@ -73,7 +73,7 @@ def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any], checkpoint
     caching = capture_cache.enabled()
     cache_key = capture_cache.key(module, loss_fn, layout, {"checkpoint_regions": checkpoint_regions}) \
         if caching else None
-    cached = capture_cache.load(cache_key, layout) if cache_key is not None else None
+    cached = capture_cache.load(cache_key, module, loss_fn, layout) if cache_key is not None else None
     if cached is not None:
         cached.notes["capture_cache"] = "hit"
         return cached
@@ -84,9 +84,8 @@ def capture(module: nn.Module, loss_fn: LossFn, batch: Sequence[Any], checkpoint
         graph_module, signature = _export(wrapper, tensors, _unused_parameters(wrapper, tensors))
     train_graph = _to_train_graph(graph_module, signature, layout, _alias_groups(module),
                                   checkpoint_regions=checkpoint_regions)
-    if cache_key is not None:
-        capture_cache.store(cache_key, train_graph)
-    train_graph.notes["capture_cache"] = "miss" if cache_key is not None else "bypass" if caching else "off"
+    stored = cache_key is not None and capture_cache.store(cache_key, train_graph)
+    train_graph.notes["capture_cache"] = "miss" if stored else "bypass" if caching else "off"
     return train_graph
 
 

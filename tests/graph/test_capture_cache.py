@@ -80,10 +80,13 @@ def test_a_new_process_loads_what_another_stored(cache_dir: Path) -> None:
         import json, torch
         import tandem
         from tests.conftest import zoo_case
+        from tests.graph.test_capture_cache import Recurrent, recurrent_loss
         torch.set_num_threads(1)
         results = {}
-        for name in ("gpt", "resnet"):
-            module, loss_fn, batch = zoo_case(name)
+        cases = {name: zoo_case(name) for name in ("gpt", "resnet")}
+        torch.manual_seed(0)
+        cases["recurrent"] = (Recurrent().double(), recurrent_loss, (torch.randn(2, 3, 4, dtype=torch.float64),))
+        for name, (module, loss_fn, batch) in cases.items():
             step = tandem.compile(module, loss_fn, *batch)
             torch.manual_seed(5)
             result = step(*batch)
@@ -96,10 +99,25 @@ def test_a_new_process_loads_what_another_stored(cache_dir: Path) -> None:
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300,
                               env={**os.environ, "PYTHONHASHSEED": seed})
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    for name in ("gpt", "resnet"):
+    for name in ("gpt", "resnet", "recurrent"):
         (first_cache, *first), (second_cache, *second) = runs[0][name], runs[1][name]
         assert (first_cache, second_cache) == ("miss", "hit"), name
         assert first == second, name  # float64, the same graph: bit for bit
+
+
+class Recurrent(nn.Module):
+    """nn.LSTM keeps plain (and weak) references to its own parameters; ``act`` is a builtin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.act = nn.LSTM(4, 4, batch_first=True), torch.tanh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lstm(x)[0])
+
+
+def recurrent_loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x).square().mean()
 
 
 def _key(module: nn.Module, loss_fn: object, batch: tuple[torch.Tensor, ...], **options: bool) -> str | None:
@@ -130,6 +148,57 @@ def test_the_key_moves_with_what_the_trace_reads() -> None:
     handle = module.register_forward_hook(lambda *_: None)
     assert _key(module, loss_fn, batch) is None  # hooks are code the key cannot name: not cached
     handle.remove()
+
+
+LABEL_SCALE = 1.0  # a module-level setting a loss function reads
+
+
+class LossHolder:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def loss(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return recurrent_loss(module, x) * self.scale * LABEL_SCALE
+
+
+def test_the_key_moves_with_state_outside_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    module, batch = Recurrent(), (torch.ones(2, 3, 4),)
+    base = _key(module, LossHolder(1.0).loss, batch)
+    assert _key(module, LossHolder(1.0).loss, batch) == base
+    assert _key(module, LossHolder(2.0).loss, batch) != base  # the object a bound method is bound to
+    monkeypatch.setattr(sys.modules[__name__], "LABEL_SCALE", 3.0)
+    assert _key(module, LossHolder(1.0).loss, batch) != base  # a global setting the code reads
+    monkeypatch.undo()
+    monkeypatch.setattr(Recurrent, "flag", True, raising=False)
+    assert _key(module, LossHolder(1.0).loss, batch) != base  # a class attribute
+    monkeypatch.undo()
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        assert _key(module, LossHolder(1.0).loss, batch) != base  # which attention kernels may be traced
+    loss_module = nn.Linear(4, 1)
+    with_module_loss = _key(module, loss_module, batch)
+    loss_module.weight.requires_grad_(False)
+    assert _key(module, loss_module, batch) != with_module_loss  # a module loss is traced with the step
+
+
+def test_the_key_moves_with_parameter_strides() -> None:
+    module = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    batch = (torch.ones(2, 3, 5, 5),)
+
+    def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum()
+
+    base = _key(module, loss_fn, batch)
+    assert _key(module.to(memory_format=torch.channels_last), loss_fn, batch) != base
+
+
+def test_the_key_moves_with_the_attention_implementation() -> None:
+    pytest.importorskip("transformers")
+    module = tandem.models.LIBRARY["hf-llama"].build()
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    batch = ({"input_ids": tokens, "labels": tokens},)
+    base = _key(module, tandem.models.LIBRARY["hf-llama"].loss_fn, batch)
+    module.config._attn_implementation = "eager"  # one attention class serves every implementation
+    assert _key(module, tandem.models.LIBRARY["hf-llama"].loss_fn, batch) != base
 
 
 def test_the_key_moves_with_a_monkeypatched_method(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,11 +266,34 @@ def test_broken_and_foreign_entries_are_traced_again(cache_dir: Path, caplog: py
     assert step.compile_report()["capture_cache"] == "miss"  # traced, and stored again whole
     assert "ignoring the capture cache entry" in caplog.text
     assert tandem.compile(twin(module), loss_fn, *batch).compile_report()["capture_cache"] == "hit"
-    cache_dir.chmod(0o777)  # others may write here: its pickles are not loaded
+    cache_dir.chmod(0o777)  # others may write here: its pickles are not loaded, nothing is stored
     caplog.clear()
-    assert tandem.compile(twin(module), loss_fn, *batch).compile_report()["capture_cache"] == "miss"
+    assert tandem.compile(twin(module), loss_fn, *batch).compile_report()["capture_cache"] == "bypass"
     assert "writable by no one else" in caplog.text
     cache_dir.chmod(0o700)
+
+
+def test_a_cache_directory_that_cannot_be_made_is_a_bypass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TANDEM_CAPTURE_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(blocker))
+    module, loss_fn, batch = zoo_case("mlp")
+    result = tandem.compile(module, loss_fn, *batch)
+    assert result.compile_report()["capture_cache"] == "bypass"  # traced; nothing raised
+
+
+def test_an_entry_of_another_model_under_the_key_is_refused(cache_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    module, loss_fn, batch = zoo_case("mlp")
+    tandem.compile(twin(module), loss_fn, *batch)
+    (entry,) = cache_dir.glob("*.pkl")
+    stored_key = capture_cache.key(module, loss_fn, BatchLayout.of(batch)[0], {"checkpoint_regions": True})
+    assert stored_key is not None and entry.stem == stored_key
+    first = next(module.parameters())  # the entry's shapes no longer fit this model: as a key collision would
+    first.data = torch.zeros(first.shape[0] + 1, *first.shape[1:], dtype=first.dtype)
+    assert capture_cache.load(stored_key, module, loss_fn, BatchLayout.of(batch)[0]) is None
+    assert "the model's" in caplog.text
+    assert not entry.exists()
 
 
 def test_off_traces_and_stores_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
