@@ -1,7 +1,7 @@
 """Compiled segments (issue #28): tandem's inductor backend against eager and torch.compile.
 
     python bench/compiled.py [--models resnet,gpt,lstm_lm,hf-gpt2,hf-llama] [--threads 1,2]
-                             [--repeats 7] [--clock cpu|wall] [--quick] [--first-call-only | --memory-only]
+                             [--repeats 7] [--clock cpu|wall] [--quick] [--first-call-only | --memory-only | --profile]
 
 Three measurements, each model in fresh subprocesses (inductor specializes its kernels to the
 thread count, and dynamo's caches stay per process):
@@ -28,6 +28,9 @@ thread count, and dynamo's caches stay per process):
 ``--quick``: gpt only, 1 thread, 3 rounds (a smoke run of the script; its numbers mean little).
 ``--first-call-only``: the first-call table alone (bench/out/compiled_first_call.md), for
 re-measuring compile times on a quiet machine.
+``--profile``: a ``torch.profiler`` breakdown of eager's and tandem inductor's step per model (1
+thread, ``TANDEM_ENGINE=naive``, the fastest of 3 alternating rounds of ``--repeats`` steps):
+matrix products, random draws and everything else, per step (bench/out/compiled_profile.md).
 ``--memory-only``: the memory-against-time table and plot alone, at the first ``--threads``
 (bench/out/compiled_memory.md and compiled_memory.png): no other thread counts and no first calls
 (the max-autotune and aten columns still run in the rounds, unreported).
@@ -201,6 +204,51 @@ def child_first_call(name: str, system: str) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start}
 
 
+PROFILE_GROUPS = {"matrix products": ("aten::mm", "aten::addmm", "aten::bmm"), "random draws": ("aten::bernoulli_",)}
+
+
+def child_profile(name: str, steps: int) -> dict[str, Any]:
+    """Per-step milliseconds of eager and tandem inductor under ``torch.profiler`` (1 thread; the parent
+    sets ``TANDEM_ENGINE=naive`` so tandem's ops run on the profiled thread): the op groups that are
+    the same aten calls in both, and everything else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    module, loss_fn, batch = build(name)
+    step = tandem.compile(module, loss_fn, *batch, backend="inductor")
+    runs = {"eager": partial(eager_step, module, loss_fn, batch), "tandem inductor": partial(step, *batch)}
+    result: dict[str, Any] = {}
+    for run in runs.values():
+        for _ in range(3):  # compiled, warm
+            run()
+    for _ in range(3):  # rounds alternate the two; each keeps its fastest round (the machine is shared)
+        for label, run in runs.items():
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                start = time.perf_counter()
+                for _ in range(steps):
+                    run()
+                seconds = time.perf_counter() - start
+            self_us = {event.key: event.self_cpu_time_total for event in profiler.key_averages()}
+            row = {"step": seconds / steps * 1e3,
+                   **{group: sum(self_us.get(op, 0.0) for op in ops) / steps / 1e3 for group, ops in PROFILE_GROUPS.items()}}
+            if label not in result or row["step"] < result[label]["step"]:
+                result[label] = row
+    return result
+
+
+def profile_section(results: dict[str, dict[str, Any]], steps: int) -> str:
+    rows = []
+    for name, result in results.items():
+        for label, row in result.items():
+            other = row["step"] - sum(row[group] for group in PROFILE_GROUPS)
+            rows.append([name, label, f"{row['step']:.1f}", *(f"{row[group]:.1f}" for group in PROFILE_GROUPS),
+                         f"{other:.1f}"])
+    headers = ["model", "column", "step ms", *(f"{group} ms" for group in PROFILE_GROUPS), "everything else ms"]
+    return (f"Profiled step (torch.profiler, {steps} steps, the fastest of 3 alternating rounds, 1 thread, wall "
+            f"clock under the profiler; matrix products: {', '.join(PROFILE_GROUPS['matrix products'])}; random draws: "
+            f"{', '.join(PROFILE_GROUPS['random draws'])}; self CPU time per step):\n\n" + markdown_table(headers, rows))
+
+
 def run_child(arguments: list[str], cache_dir: str) -> dict[str, Any]:
     command = [sys.executable, __file__, "--child", *arguments]
     environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
@@ -343,16 +391,20 @@ def main() -> None:
                         help="only the first-call table (cold and warm compiles; writes compiled_first_call.md)")
     parser.add_argument("--memory-only", action="store_true",
                         help="only the memory-against-time sweep (writes compiled_memory.md and its plot)")
+    parser.add_argument("--profile", action="store_true",
+                        help="only a torch.profiler breakdown of eager's and tandem inductor's step (writes compiled_profile.md)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.first_call_only and args.memory_only:
-        parser.error("--first-call-only and --memory-only each run one table; pick one")
+    if sum([args.first_call_only, args.memory_only, args.profile]) > 1:
+        parser.error("--first-call-only, --memory-only and --profile each run one table; pick one")
     if args.child:
         with contextlib.suppress(AttributeError):
             torch._dynamo.config.recompile_limit = 64  # one cache entry per torch.compile'd copy
         kind, name, *rest = args.child
         if kind == "timing":
             result = child_timing(name, int(rest[0]), rest[1] == "sweep", int(rest[2]), rest[3])
+        elif kind == "profile":
+            result = child_profile(name, int(rest[0]))
         else:
             result = child_first_call(name, rest[0])
         print(json.dumps(result))
@@ -364,6 +416,14 @@ def main() -> None:
     models, thread_counts = args.models.split(","), [int(t) for t in args.threads.split(",")]
     started = time.perf_counter()
     shared_cache = tempfile.mkdtemp(prefix="tandem-bench-compiled-")
+    if args.profile:
+        os.environ["TANDEM_ENGINE"] = "naive"  # the children's ops run on the thread the profiler records
+        steps = max(args.repeats, 5)
+        profiles = {name: run_child(["profile", name, str(steps)], shared_cache) for name in models}
+        text = profile_section(profiles, steps)
+        print(f"\nCommand: `{command_line()}`\n\n{text}")
+        write_report("compiled_profile", text)
+        return
     timing: dict[tuple[str, int], dict[str, Any]] = {}
     sweeps: dict[str, dict[str, Any]] = {}
     first_calls: dict[str, dict[str, dict[str, Any]]] = {}
