@@ -148,3 +148,47 @@ def test_inductor_trainer_matches_torch_optim(name: str) -> None:
         kept = ~zero
         error = float((ours[key] - value)[kept].norm()) / max(float(value[kept].norm()), 1e-12)
         assert error <= INDUCTOR_RTOL, (key, error)
+
+
+_CACHED_STEPS = """
+import json, torch
+from tandem.testing.torchvision_compat import ensure_importable
+ensure_importable()
+import tandem
+from tandem.testing.real_models import REAL_MODELS
+torch.set_num_threads(1)
+results = {}
+for name, entry in REAL_MODELS.items():
+    module = entry.build(0).to(torch.float64)
+    batch = entry.make_batch(3, torch.Generator().manual_seed(0), torch.float64)
+    step = tandem.compile(module, entry.loss_fn, *batch)
+    torch.manual_seed(5)
+    result = step(*batch)
+    results[name] = [step.compile_report()["capture_cache"], result.loss.item(),
+                     [result.grads[n].sum().item() for n in sorted(result.grads)]]
+print(json.dumps(results))
+"""
+
+
+def test_a_second_process_loads_every_model_from_the_capture_cache(tmp_path: Any) -> None:
+    """Each real model captured in one process is loaded in the next (another string-hash seed) and
+    computes bit for bit what the traced step computed: the cache key is stable across processes for
+    every architecture, and a loaded graph is the traced one."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("timm")
+    environment = {**os.environ, "TANDEM_CAPTURE_CACHE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", _CACHED_STEPS], capture_output=True, text=True, timeout=600,
+                              check=True, env={**environment, "PYTHONHASHSEED": seed})
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert set(runs[0]) == set(REAL_MODELS)
+    for name, (first_cache, *first) in runs[0].items():
+        second_cache, *second = runs[1][name]
+        assert (first_cache, second_cache) == ("miss", "hit"), name
+        assert first == second, name
