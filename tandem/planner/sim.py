@@ -20,7 +20,8 @@ What it simulates, per mode (``Strategy.mode``), for ``Cluster.workers`` identic
     issued ahead of their completion, each completion refilled by a round; the next forward starts
     each segment once the parameters it reads are summed.
 The network: every host (worker or server) has a full-duplex NIC, an uplink and a downlink of
-``rate`` each, FIFO. A message holds its sender's uplink for ``bytes / rate``; its head reaches the
+``rate`` each, FIFO. A message holds its sender's uplink for ``bytes / (rate x payload_fraction)``
+(TCP/IP framing takes the rest); its head reaches the
 receiver's downlink ``latency`` later (cut-through), where it queues behind what that downlink
 already carries (incast), and lands whole. Priorities act above the links: in the worker's sender queue
 and in the server's loop, so a high-priority slice waits for at most ``water_mark`` admitted slices
@@ -66,6 +67,11 @@ SLICED_MODES: tuple[Mode, ...] = ("p3", "collective")  # the modes with a slice 
 PS_MODES = ("baseline", "overlap", "p3")
 COMPRESSION_RATIO = {"none": 1, "fp16": 2, "bf16": 2, "2bit": 16}  # float32 bytes / bytes on the wire
 INF = math.inf
+# TCP over Ethernet at MTU 1500: a full segment carries 1448 bytes of payload in a 1514-byte frame
+# (14 B Ethernet, 20 B IP, 20 B TCP, 12 B TCP timestamps), and a rate limiter (tc tbf) or a NIC's
+# rate counts the frame. A physical link also spends 24 B per frame on preamble, gap and checksum
+# (1448 / 1538), which this leaves out.
+TCP_PAYLOAD_FRACTION = 1448 / 1514
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ class Cluster:
     # server k runs on worker k's host (MXNet's launch.py without -s): they share its NIC (and, with
     # cores, its CPU), and their messages to each other stay on the host (no link, no latency)
     colocated: bool = False
+    payload_fraction: float = TCP_PAYLOAD_FRACTION  # of the link's rate that carries message bytes
 
     def __post_init__(self) -> None:
         if not (isinstance(self.workers, int) and self.workers >= 1):
@@ -157,13 +164,16 @@ class Cluster:
             raise ValueError(f"link rate must be > 0 bits/s (e.g. '100mbit', '10gbit'), got {self.rate_bps!r}")
         if not self.latency_s >= 0:
             raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        if not 0 < self.payload_fraction <= 1:
+            raise ValueError(f"payload_fraction must be in (0, 1], got {self.payload_fraction}")
         if self.colocated and self.servers > self.workers:
             raise ValueError(f"colocated servers run on the workers' hosts: at most {self.workers} servers, "
                              f"got {self.servers}")  # fmt: skip
 
     @property
     def bytes_per_s(self) -> float:
-        return self.rate_bps / 8
+        """Message bytes a link moves per second, each way (headers take the rest of the rate)."""
+        return self.rate_bps / 8 * self.payload_fraction
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 
 from tandem.planner.sim import (
     CPU,
+    TCP_PAYLOAD_FRACTION,
     Cluster,
     Events,
     Machine,
@@ -24,6 +26,12 @@ NO_COST = Machine(message_s=0.0, byte_s=0.0, server_message_s=0.0, server_byte_s
 FREE = {"machine": NO_COST}  # no CPU cost per message or byte
 
 
+def at_whole_rate(*args: Any, **options: Any) -> Cluster:
+    """A cluster whose links carry message bytes at their whole rate, as the hand computations below
+    assume (the TCP/IP framing of real links has a test of its own)."""
+    return Cluster(*args, **{"payload_fraction": 1.0, **options})
+
+
 def one_gradient(nbytes: int = 4_000_000) -> Workload:
     """One parameter: read by the only forward segment (1 s), finished by the only backward one (0.5 s)."""
     return Workload(("w",), (nbytes,), (1.0,), ((0,),), (0.5,), ((0,),))
@@ -37,7 +45,7 @@ def two_layers() -> Workload:
 @pytest.mark.parametrize("mode", ["baseline", "overlap", "p3"])
 def test_one_worker_one_server_one_gradient(mode: str) -> None:
     latency = 0.01
-    cluster = Cluster(1, 1, RATE, latency_s=latency, **FREE)
+    cluster = at_whole_rate(1, 1, RATE, latency_s=latency, **FREE)
     result = simulate(one_gradient(), cluster, Strategy(mode, slice_size=10**7))
     assert result.iteration_s == pytest.approx(1.5 + 2 * 1.0 + 2 * latency)  # compute + push + pull + latencies
     assert result.compute_s == pytest.approx(1.5)
@@ -45,16 +53,26 @@ def test_one_worker_one_server_one_gradient(mode: str) -> None:
     assert result.samples_per_s == pytest.approx(1 / 3.52)
 
 
+def test_links_carry_tcp_ip_framing() -> None:
+    """A real link's rate also carries each frame's headers: 1448 bytes of payload per 1514-byte frame at
+    MTU 1500, so the push and the pull of 4 MB take 1514 / 1448 s each, not 1 s; 1.0 is the whole rate."""
+    real = simulate(one_gradient(), Cluster(1, 1, RATE, latency_s=0.0, **FREE), Strategy("overlap"))
+    assert real.iteration_s == pytest.approx(1.5 + 2 * 1514 / 1448)
+    assert Cluster(1, 1, RATE).bytes_per_s == pytest.approx(4e6 * TCP_PAYLOAD_FRACTION)
+    with pytest.raises(ValueError, match="payload_fraction"):
+        Cluster(1, 1, RATE, payload_fraction=0.0)
+
+
 def test_cpu_per_message_and_per_byte() -> None:
     """A pushpull costs message_s four times (send, server receive, server reply, receive); the server
     sums the push (bytes / rate) and passes over the sum once more to finish the round."""
-    cluster = Cluster(1, 1, RATE, latency_s=0.0, machine=dataclasses.replace(NO_COST, message_s=0.001, server_message_s=0.001, aggregate_Bps=4e7))
+    cluster = at_whole_rate(1, 1, RATE, latency_s=0.0, machine=dataclasses.replace(NO_COST, message_s=0.001, server_message_s=0.001, aggregate_Bps=4e7))
     result = simulate(one_gradient(), cluster, Strategy("overlap"))
     assert result.iteration_s == pytest.approx(1.5 + 2.0 + 4 * 0.001 + 2 * 0.1)
 
 
 def test_baseline_waits_for_everything_overlap_starts_during_backward() -> None:
-    cluster = Cluster(1, 1, RATE, latency_s=0.0, **FREE)
+    cluster = at_whole_rate(1, 1, RATE, latency_s=0.0, **FREE)
     baseline = simulate(two_layers(), cluster, Strategy("baseline"))
     overlap = simulate(two_layers(), cluster, Strategy("overlap"))
     # baseline: 4 s compute, then push a, b (2 s), then pull a, b (2 s)
@@ -69,7 +87,7 @@ def test_a_higher_priority_slice_waits_only_for_the_slice_in_flight() -> None:
     """b (2 slices of 1 s, priority -1) is finished first, a (1 slice, priority 0) a moment later: with water
     mark 1 a overtakes b's second slice; overlap (FIFO, whole tensors) sends it last."""
     workload = Workload(("a", "b"), (400_000, 8_000_000), (1.0,), ((0, 1),), (1.0, 0.01), ((1,), (0,)))
-    cluster = Cluster(1, 1, RATE, latency_s=0.0, **FREE)
+    cluster = at_whole_rate(1, 1, RATE, latency_s=0.0, **FREE)
     p3 = simulate(workload, cluster, Strategy("p3", slice_size=1_000_000, water_mark=1))
     assert [(param, part) for _, param, part in p3.sends[:3]] == [(1, 0), (0, 0), (1, 1)]
     overlap = simulate(workload, cluster, Strategy("overlap"))
@@ -80,7 +98,7 @@ def test_water_mark_one_serialises_slices() -> None:
     """4 slices of 0.25 s: with a water mark of 1 each slice leaves only once the one before is answered
     (the only worker's round completes as its push arrives, so the reply, not a notice, frees the slot)."""
     latency = 0.1
-    cluster = Cluster(1, 1, RATE, latency_s=latency, **FREE)
+    cluster = at_whole_rate(1, 1, RATE, latency_s=latency, **FREE)
     free = simulate(one_gradient(), cluster, Strategy("p3", slice_size=250_000, water_mark=10))
     serial = simulate(one_gradient(), cluster, Strategy("p3", slice_size=250_000, water_mark=1))
     assert free.iteration_s == pytest.approx(1.5 + 1.25 + 2 * latency)  # pushes pipelined, the last reply 0.25 s after
@@ -93,7 +111,7 @@ def test_a_parked_slice_is_released_by_its_notice() -> None:
     that downlink until 2.1), and its RECEIVED notice frees the slot at 1.95, so the second slice leaves
     then, not after the reply (2.1 + 0.1 + 0.25 = 2.45)."""
     latency = 0.1
-    cluster = Cluster(2, 1, RATE, latency_s=latency, **FREE)
+    cluster = at_whole_rate(2, 1, RATE, latency_s=latency, **FREE)
     result = simulate(one_gradient(2_000_000), cluster, Strategy("p3", slice_size=250_000, water_mark=1))
     assert [(round(t, 9), param, part) for t, param, part in result.sends[:2]] == [(1.5, 0, 0), (1.95, 0, 1)]
     assert result.notices > 0
@@ -103,7 +121,7 @@ def test_no_notices_where_the_cap_never_binds() -> None:
     """p3_sender asks for a notice only for the request that fills the cap or one sent while others
     queue, decided once its group has left the queue: 2 slices under a water mark of 10 ask for none;
     under a water mark of 2 the second fills the cap and asks."""
-    cluster = Cluster(2, 1, RATE, latency_s=0.1, **FREE)
+    cluster = at_whole_rate(2, 1, RATE, latency_s=0.1, **FREE)
     loose = simulate(one_gradient(2_000_000), cluster, Strategy("p3", slice_size=250_000, water_mark=10))
     full = simulate(one_gradient(2_000_000), cluster, Strategy("p3", slice_size=250_000, water_mark=2))
     assert loose.notices == 0 and full.notices > 0
@@ -115,7 +133,7 @@ def test_a_small_request_passes_the_water_mark() -> None:
     and the weight's slices go as in test_water_mark_one_serialises_slices (a round trip each)."""
     latency = 0.1
     workload = Workload(("b", "w"), (40, 4_000_000), (1.0,), ((0, 1),), (0.5,), ((0, 1),))
-    result = simulate(workload, Cluster(1, 1, RATE, latency_s=latency, **FREE), Strategy("p3", slice_size=250_000, water_mark=1))
+    result = simulate(workload, at_whole_rate(1, 1, RATE, latency_s=latency, **FREE), Strategy("p3", slice_size=250_000, water_mark=1))
     assert [(param, part) for _, param, part in result.sends[:2]] == [(0, 0), (1, 0)]
     assert result.sends[0][0] == result.sends[1][0]  # together: the bias did not wait for a slot
     assert result.iteration_s == pytest.approx(1.5 + 4 * (0.25 + 0.25 + 2 * latency), abs=1e-3)  # the bias's bytes: 1e-5 s
@@ -126,7 +144,7 @@ def test_a_segments_requests_to_one_server_share_a_message(monkeypatch: pytest.M
     sender); with TANDEM_PS_COALESCE_BYTES=0 b leaves one message_s after a."""
     workload = Workload(("a", "b"), (400, 400), (1.0,), ((0, 1),), (0.5,), ((0, 1),))
     machine = dataclasses.replace(NO_COST, message_s=0.001)
-    cluster = Cluster(1, 1, 1e30, latency_s=0.0, machine=machine)
+    cluster = at_whole_rate(1, 1, 1e30, latency_s=0.0, machine=machine)
     together = simulate(workload, cluster, Strategy("p3", slice_size=10**7)).sends
     assert together[0][0] == together[1][0]
     monkeypatch.setenv("TANDEM_PS_COALESCE_BYTES", "0")
@@ -141,7 +159,7 @@ def test_the_plain_server_answers_a_poll_in_one_message_per_worker(monkeypatch: 
     one (4.002-4.003). With TANDEM_PS_COALESCE_BYTES=0 every request and reply is a message of its own:
     4 sent (until 4.004) and 4 received one after another, the last reply from 4.004 to 4.005."""
     workload = Workload(("a", "b"), (40, 40), (1.0, 1.0), ((0,), (1,)), (1.0, 1.0), ((1,), (0,)))
-    cluster = Cluster(1, 1, 1e30, latency_s=0.0, machine=dataclasses.replace(NO_COST, message_s=0.001))
+    cluster = at_whole_rate(1, 1, 1e30, latency_s=0.0, machine=dataclasses.replace(NO_COST, message_s=0.001))
     assert simulate(workload, cluster, Strategy("baseline")).iteration_s == pytest.approx(4.003)
     monkeypatch.setenv("TANDEM_PS_COALESCE_BYTES", "0")
     assert simulate(workload, cluster, Strategy("baseline")).iteration_s == pytest.approx(4.005)
@@ -154,7 +172,7 @@ def test_p3_serves_a_poll_by_priority_and_replies_at_once() -> None:
     priority: a (3.1-4.1, reply until 5.1), then b (5.1-6.1, reply until 7.1). In arrival order b
     would be back at 5.1 and a at 7.1."""
     workload = Workload(("a", "b", "c"), (40, 40, 40), (1.0,), ((0, 1, 2),), (0.1, 0.1, 0.1), ((2,), (1,), (0,)))
-    cluster = Cluster(1, 1, 1e30, latency_s=0.0, machine=dataclasses.replace(NO_COST, server_message_s=1.0))
+    cluster = at_whole_rate(1, 1, 1e30, latency_s=0.0, machine=dataclasses.replace(NO_COST, server_message_s=1.0))
     replies = simulate(workload, cluster, Strategy("p3", slice_size=10**7)).replies
     assert [(round(t, 9), param) for t, param, _ in replies[:3]] == [(3.1, 2), (5.1, 0), (7.1, 1)]
 
@@ -163,16 +181,16 @@ def test_colocated_servers_share_their_workers_nic() -> None:
     """2 workers + 2 colocated servers, one 1M-element gradient split over both servers (2 MB each): at
     1.5 s each worker's own part lands at once, the other crosses to the other host (0.5 s); each server
     answers its own worker at once and the other over the link it shares with its worker (0.5 s more)."""
-    cluster = Cluster(2, 2, RATE, latency_s=0.0, colocated=True, **FREE)
+    cluster = at_whole_rate(2, 2, RATE, latency_s=0.0, colocated=True, **FREE)
     assert simulate(one_gradient(), cluster, Strategy("overlap")).iteration_s == pytest.approx(1.5 + 0.5 + 0.5)
     with pytest.raises(ValueError, match="at most 2 servers"):
         Cluster(2, 3, RATE, colocated=True)
 
 
 def test_ring_allreduce_formula() -> None:
-    cluster = Cluster(4, 0, RATE, latency_s=0.01, machine=Machine(message_s=0.001))
+    cluster = at_whole_rate(4, 0, RATE, latency_s=0.01, machine=Machine(message_s=0.001))
     assert allreduce_seconds(4_000_000, cluster) == pytest.approx(2 * 3 / 4 * 1.0 + 6 * (0.01 + 2 * 0.001))
-    assert allreduce_seconds(4_000_000, Cluster(1, 0, RATE)) == 0.0
+    assert allreduce_seconds(4_000_000, at_whole_rate(1, 0, RATE)) == 0.0
     result = simulate(one_gradient(), cluster, Strategy("allreduce"))
     assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(4_000_000, cluster))
     half = simulate(one_gradient(), cluster, Strategy("allreduce", compression="fp16"))
@@ -181,7 +199,7 @@ def test_ring_allreduce_formula() -> None:
 
 def test_allreduce_buckets_overlap_backward() -> None:
     """Bucket b (ready at 3 s) is reduced during a's backward segment; only a's bucket is exposed."""
-    cluster = Cluster(2, 0, RATE, latency_s=0.0, machine=Machine(message_s=0.0))
+    cluster = at_whole_rate(2, 0, RATE, latency_s=0.0, machine=Machine(message_s=0.0))
     result = simulate(two_layers(), cluster, Strategy("allreduce", bucket_bytes=1))
     assert result.iteration_s == pytest.approx(4.0 + 1.0)  # each bucket: 2 (W-1)/W x 1 s = 1 s
     assert result.exposed_s == pytest.approx(1.0)
@@ -189,7 +207,7 @@ def test_allreduce_buckets_overlap_backward() -> None:
 
 def test_collective_one_gradient_by_hand() -> None:
     """One slice: a round (2 (W-1) steps of latency + 2 message_s), then the ring all-reduce; the next forward waits."""
-    cluster = Cluster(2, 0, RATE, latency_s=0.01, machine=dataclasses.replace(NO_COST, message_s=0.001))
+    cluster = at_whole_rate(2, 0, RATE, latency_s=0.01, machine=dataclasses.replace(NO_COST, message_s=0.001))
     result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7))
     assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(0, cluster) + allreduce_seconds(4_000_000, cluster))
     assert result.exposed_s == pytest.approx(result.iteration_s - 1.5)
@@ -200,7 +218,7 @@ def test_collective_slices_overtake_by_priority_under_the_water_mark() -> None:
     mark 1 a's slices go as soon as b's first completes (3.5 s, its round is free here); with 10, b's four
     were all issued at 3 s and a waits for them."""
     layers = Workload(("a", "b"), (4_000_000, 8_000_000), (1.0, 1.0), ((0,), (1,)), (1.0, 0.2), ((1,), (0,)))
-    cluster = Cluster(2, 0, RATE, latency_s=0.0, **FREE)
+    cluster = at_whole_rate(2, 0, RATE, latency_s=0.0, **FREE)
     capped = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=1))
     assert [(round(t, 6), p, n) for t, p, n in capped.sends[:4]] == [(3.0, 1, 0), (3.5, 0, 0), (4.0, 0, 1), (4.5, 1, 1)]
     loose = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=10))
@@ -214,14 +232,14 @@ def test_a_collectives_cpu_slows_the_compute_beside_it(cores: float, expected: f
     to spare both take 1 s (3-4) and a's all-reduce follows (4-5); on one core they share it and both
     end at 5, a's all-reduce at 6: the next forward starts 1 s later each iteration."""
     machine = dataclasses.replace(NO_COST, byte_s=1 / 8e6, cores=cores)  # 2 x 4 MB sent and received: 1 s
-    cluster = Cluster(2, 0, RATE, latency_s=0.0, machine=machine)
+    cluster = at_whole_rate(2, 0, RATE, latency_s=0.0, machine=machine)
     assert simulate(two_layers(), cluster, Strategy("collective", slice_size=10**7)).iteration_s == pytest.approx(expected)
 
 
 def test_compressed_collectives_all_gather() -> None:
     """The store all-gathers compressed slices (each worker decodes and sums them): W-1 steps of the
     compressed bytes, not an all-reduce of them. 4 workers, fp16: 3 x 2 MB = 1.5 s, against 0.75 s."""
-    cluster = Cluster(4, 0, RATE, latency_s=0.0, **FREE)
+    cluster = at_whole_rate(4, 0, RATE, latency_s=0.0, **FREE)
     result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7, compression="fp16"))
     assert allgather_seconds(2_000_000, cluster) == pytest.approx(1.5)
     assert result.iteration_s == pytest.approx(1.5 + 1.5)
@@ -231,7 +249,7 @@ def test_each_refill_waits_for_a_round() -> None:
     """Water mark 1, 4 slices of 1 MB (0.25 s of wire, 0.1 s of latency), rounds of 0.1 s (2 (W-1)
     latencies of 0.05 s): a round agrees on the gradient, then each completion needs a round before
     the next slice goes."""
-    cluster = Cluster(2, 0, RATE, latency_s=0.05, **FREE)
+    cluster = at_whole_rate(2, 0, RATE, latency_s=0.05, **FREE)
     result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=250_000, water_mark=1))
     one_slice = allreduce_seconds(1_000_000, cluster)  # 0.25 s of wire + 0.1 s of latency
     assert result.iteration_s == pytest.approx(1.5 + 4 * (0.1 + one_slice))
@@ -240,16 +258,16 @@ def test_each_refill_waits_for_a_round() -> None:
 def test_collective_fuses_small_slices_queued_together() -> None:
     """Two small gradients of one segment share one collective: one fixed cost, not two."""
     pair = Workload(("a", "b"), (400, 400), (1.0,), ((0, 1),), (0.5,), ((0, 1),))
-    cluster = Cluster(2, 0, RATE, latency_s=0.01, **FREE)
+    cluster = at_whole_rate(2, 0, RATE, latency_s=0.01, **FREE)
     result = simulate(pair, cluster, Strategy("collective", slice_size=1000))
     assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(0, cluster) + allreduce_seconds(800, cluster))
     assert len({t for t, _, _ in result.sends}) == len(result.sends) // 2  # each send time carries both
 
 
 def test_more_workers_share_the_server_link() -> None:
-    one = simulate(one_gradient(), Cluster(1, 1, RATE, latency_s=0.0, **FREE), Strategy("overlap"))
-    two = simulate(one_gradient(), Cluster(2, 1, RATE, latency_s=0.0, **FREE), Strategy("overlap"))
-    two_servers = simulate(one_gradient(), Cluster(2, 2, RATE, latency_s=0.0, **FREE), Strategy("p3", slice_size=500_000))
+    one = simulate(one_gradient(), at_whole_rate(1, 1, RATE, latency_s=0.0, **FREE), Strategy("overlap"))
+    two = simulate(one_gradient(), at_whole_rate(2, 1, RATE, latency_s=0.0, **FREE), Strategy("overlap"))
+    two_servers = simulate(one_gradient(), at_whole_rate(2, 2, RATE, latency_s=0.0, **FREE), Strategy("p3", slice_size=500_000))
     assert two.iteration_s >= one.iteration_s + 1.0  # the server's downlink carries both pushes
     assert two_servers.iteration_s < two.iteration_s  # slices spread over two servers' links
 
@@ -266,8 +284,8 @@ def test_impossible_clusters_are_refused(options: dict[str, float], message: str
 
 def test_a_parameter_server_mode_needs_a_server() -> None:
     with pytest.raises(ValueError, match=r"needs servers >= 1"):
-        simulate(one_gradient(), Cluster(2, 0, RATE), Strategy("p3"))
-    simulate(one_gradient(), Cluster(2, 0, RATE), Strategy("allreduce"))  # no servers needed
+        simulate(one_gradient(), at_whole_rate(2, 0, RATE), Strategy("p3"))
+    simulate(one_gradient(), at_whole_rate(2, 0, RATE), Strategy("allreduce"))  # no servers needed
     with pytest.raises(ValueError, match="mode must be one of"):
         Strategy("ring")  # type: ignore[arg-type]
 
@@ -316,7 +334,7 @@ def test_costs_per_byte_at_both_ends() -> None:
     """One 4e6-byte pushpull, no latency: the worker pays byte_s on the push it sends and the reply it
     receives, the server server_byte_s on both and two summing passes (4e6 B / 4e7 B/s = 0.1 s each)."""
     machine = Machine(message_s=0.0, byte_s=1e-8, server_message_s=0.0, server_byte_s=2e-8, aggregate_Bps=4e7)
-    result = simulate(one_gradient(), Cluster(1, 1, RATE, latency_s=0.0, machine=machine), Strategy("overlap"))
+    result = simulate(one_gradient(), at_whole_rate(1, 1, RATE, latency_s=0.0, machine=machine), Strategy("overlap"))
     assert result.iteration_s == pytest.approx(1.5 + 2.0 + 2 * 0.04 + 2 * 0.08 + 2 * 0.1)
 
 
@@ -327,14 +345,14 @@ def test_a_shared_host_slows_compute_by_its_communication() -> None:
     Two workers on that core take twice as long; with a core per thread they overlap."""
     machine = dataclasses.replace(NO_COST, message_s=0.5, server_message_s=0.25, cores=1, shared_host=True)
     fast = dict(latency_s=0.0, rate_bps=1e30)
-    one = simulate(one_gradient(), Cluster(1, 1, machine=machine, **fast), Strategy("overlap"))
+    one = simulate(one_gradient(), at_whole_rate(1, 1, machine=machine, **fast), Strategy("overlap"))
     assert one.iteration_s == pytest.approx(3.0)
     # two workers on 1 core: compute is 2 x 1.5 s of work on one core; each worker's messages (1 s) and the
     # server's (4 x 0.25 s) are work on the same core: 3 + 2 + 1 = 6 s per iteration, all of it serialised
-    two = simulate(one_gradient(), Cluster(2, 1, machine=machine, **fast), Strategy("overlap"))
+    two = simulate(one_gradient(), at_whole_rate(2, 1, machine=machine, **fast), Strategy("overlap"))
     assert two.iteration_s == pytest.approx(6.0)
     spare = dataclasses.replace(machine, cores=math.inf)
-    assert simulate(one_gradient(), Cluster(2, 1, machine=spare, **fast), Strategy("overlap")).iteration_s == \
+    assert simulate(one_gradient(), at_whole_rate(2, 1, machine=spare, **fast), Strategy("overlap")).iteration_s == \
         pytest.approx(1.5 + 0.5 + 2 * 0.25 + 0.25 + 0.5)  # compute, send, the two pushes served in turn, w0's reply, receive
     # (steady state: worker 1 runs 0.25 s behind worker 0, its reply second; its push arrives as the server is free)
 
@@ -342,7 +360,7 @@ def test_a_shared_host_slows_compute_by_its_communication() -> None:
 def test_small_slices_cost_compute_on_a_shared_host() -> None:
     """Per-message CPU on the shared cores: more slices, slower steps; with a core per thread it hides."""
     machine = dataclasses.replace(NO_COST, message_s=0.01, server_message_s=0.01, cores=2, shared_host=True)
-    cluster = Cluster(2, 2, 1e30, latency_s=0.0, machine=machine)
+    cluster = at_whole_rate(2, 2, 1e30, latency_s=0.0, machine=machine)
     coarse = simulate(two_layers(), cluster, Strategy("p3", slice_size=1_000_000)).iteration_s
     fine = simulate(two_layers(), cluster, Strategy("p3", slice_size=100_000)).iteration_s
     assert fine > coarse + 0.1
