@@ -20,10 +20,12 @@ What it simulates, per mode (``Strategy.mode``), for ``Cluster.workers`` identic
     issued ahead of their completion, each completion refilled by a round; the next forward starts
     each segment once the parameters it reads are summed.
 The network: every host (worker or server) has a full-duplex NIC, an uplink and a downlink of
-``rate`` each, FIFO. A message holds its sender's uplink for ``bytes / (rate x payload_fraction)``
-(TCP/IP framing takes the rest); its head reaches the
-receiver's downlink ``latency`` later (cut-through), where it queues behind what that downlink
-already carries (incast), and lands whole. Priorities act above the links: in the worker's sender queue
+``rate`` each (``Link``): a FIFO per peer (a TCP connection), the flows to (or from) different peers
+sharing the rate while several have bytes queued. A message takes ``bytes / (rate x
+payload_fraction)`` of a link to itself (TCP/IP framing takes the rest); its head reaches the
+receiver's downlink ``latency`` after it starts leaving (cut-through), where it shares that downlink
+with the other senders' flows (incast), and it lands whole, once it has left the uplink and crossed
+the downlink. Priorities act above the links: in the worker's sender queue
 and in the server's loop, so a high-priority slice waits for at most ``water_mark`` admitted slices
 (with ``water_mark=1``, only for the one in flight).
 The server's loop (``server.Server.serve``): take every message landed so far (a poll), serve its
@@ -344,6 +346,25 @@ class Resource:
         self._next()
 
 
+class Link:
+    """One direction of a host's NIC: a FIFO per peer (one TCP connection each), the peers' flows sharing
+    the rate equally while several have bytes queued, as packets of concurrent connections interleave
+    in a NIC's queue (processor sharing, ``CPU`` of one core); a link has no CPU of its own.
+
+    ``put(peer, seconds, done, started)``: ``seconds`` of the whole rate; ``started`` runs when the
+    message's first byte leaves (its flow's earlier messages sent), ``done`` when its last has.
+    """
+
+    def __init__(self, events: Events) -> None:
+        self.events, self.rate = events, CPU(events, cores=1.0)
+        self.flows: dict[tuple[str, int], Resource] = {}
+
+    def put(self, peer: tuple[str, int], seconds: float, done: Callable[[], None],
+            started: Callable[[], None] | None = None) -> None:  # fmt: skip
+        flow = self.flows.get(peer) or self.flows.setdefault(peer, Resource(self.events, self.rate))
+        flow.put(seconds, done, started=started)
+
+
 # -- the parameter-server modes ----------------------------------------------------------------------------
 
 
@@ -434,13 +455,13 @@ class _PSSim:
         self.cpu = [shared if machine.shared_host else CPU(ev, cores, background) for _ in range(n_workers)]
         server_cpus = [shared if machine.shared_host else self.cpu[k] if cluster.colocated else CPU(ev, cores, background)
                        for k in range(cluster.servers)]  # fmt: skip
-        self.uplink = [Resource(ev) for _ in range(n_workers)]
-        self.downlink = [Resource(ev) for _ in range(n_workers)]
+        self.uplink = [Link(ev) for _ in range(n_workers)]
+        self.downlink = [Link(ev) for _ in range(n_workers)]
         self.sender = [Resource(ev, self.cpu[w]) for w in range(n_workers)]  # the worker's sender thread
         self.receiver = [Resource(ev, self.cpu[w]) for w in range(n_workers)]  # the worker's IO thread
         colocated = cluster.colocated
-        self.server_up = [self.uplink[k] if colocated else Resource(ev) for k in range(cluster.servers)]
-        self.server_down = [self.downlink[k] if colocated else Resource(ev) for k in range(cluster.servers)]
+        self.server_up = [self.uplink[k] if colocated else Link(ev) for k in range(cluster.servers)]
+        self.server_down = [self.downlink[k] if colocated else Link(ev) for k in range(cluster.servers)]
         self.server_cpu = [Resource(ev, cpu) for cpu in server_cpus]  # the server's thread
         self.queued: list[list[tuple[float, int, _Request]]] = [[] for _ in range(n_workers)]  # send queues
         self.order = 0
@@ -533,7 +554,6 @@ class _PSSim:
         sent = self.events.now
         if worker == 0:
             self.sends.extend((sent, request.param, request.slice) for request in requests)
-        seconds = sum(r.nbytes for r in requests) / self.rate
 
         def landed() -> None:
             self.on_network(worker, sent)
@@ -542,12 +562,26 @@ class _PSSim:
         if self.c.colocated and worker == server:  # on the host: no link
             landed()
             return
+        self.cross(self.uplink[worker], ("worker", worker), self.server_down[server], ("server", server),
+                   sum(r.nbytes for r in requests), landed)  # fmt: skip
+
+    def cross(self, up: Link, sender: tuple[str, int], down: Link, receiver: tuple[str, int], nbytes: float,
+              landed: Callable[[], None]) -> None:  # fmt: skip
+        """A message over the sender's uplink and the receiver's downlink, cut-through: its head reaches
+        the downlink ``latency`` after it starts leaving; it lands once its last byte has left the
+        uplink (plus latency) and crossed the downlink, the later of the two."""
+        seconds, waiting = nbytes / self.rate, [2]
+
+        def one_end_done() -> None:
+            waiting[0] -= 1
+            if waiting[0] == 0:
+                landed()
 
         def head_arrives() -> None:
-            self.server_down[server].put(seconds, landed)
+            down.put(sender, seconds, one_end_done)
 
-        self.uplink[worker].put(seconds, lambda: None, started=lambda: self.events.at(
-            self.events.now + self.c.latency_s, head_arrives))  # fmt: skip
+        up.put(receiver, seconds, lambda: self.events.at(self.events.now + self.c.latency_s, one_end_done),
+               started=lambda: self.events.at(self.events.now + self.c.latency_s, head_arrives))  # fmt: skip
 
     # the server: a loop that takes every request arrived so far (a poll), serves them one by one, then
     # sends the replies it held (server.Server.serve)
@@ -658,7 +692,7 @@ class _PSSim:
     def to_worker(self, server: int, worker: int, nbytes: float, received: Callable[[], None]) -> None:
         """A message of ``nbytes`` from ``server`` to ``worker`` (replies, or a RECEIVED notice of no bytes):
         the server's uplink, the worker's downlink, its IO thread."""
-        seconds, sent = nbytes / self.rate, self.events.now
+        sent = self.events.now
 
         def landed() -> None:
             self.on_network(worker, sent)
@@ -667,12 +701,8 @@ class _PSSim:
         if self.c.colocated and worker == server:  # on the host: no link
             landed()
             return
-
-        def head_arrives() -> None:
-            self.downlink[worker].put(seconds, landed)
-
-        self.server_up[server].put(seconds, lambda: None, started=lambda: self.events.at(
-            self.events.now + self.c.latency_s, head_arrives))  # fmt: skip
+        self.cross(self.server_up[server], ("server", server), self.downlink[worker], ("worker", worker), nbytes,
+                   landed)  # fmt: skip
 
     def on_network(self, worker: int, since: float) -> None:
         """A message of ``worker`` was on the network (links, their queues, latency) from ``since`` until now."""

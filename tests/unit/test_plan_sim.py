@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from tandem.planner.sim import (
     TCP_PAYLOAD_FRACTION,
     Cluster,
     Events,
+    Link,
     Machine,
     Strategy,
     Workload,
@@ -106,14 +108,14 @@ def test_water_mark_one_serialises_slices() -> None:
 
 
 def test_a_parked_slice_is_released_by_its_notice() -> None:
-    """2 workers, 1 server, 2 slices of 0.25 s each, water mark 1: worker 0's first slice lands at 1.85
-    (its head at 1.6, then 0.25 s on the server's downlink), waits there for worker 1's (behind it on
-    that downlink until 2.1), and its RECEIVED notice frees the slot at 1.95, so the second slice leaves
-    then, not after the reply (2.1 + 0.1 + 0.25 = 2.45)."""
+    """2 workers, 1 server, 2 slices of 0.25 s each, water mark 1: both workers' first slices reach the
+    server's downlink at 1.6 and share it (0.25 s each at half the rate), so both land at 2.1; worker
+    0's is served first, parked until worker 1's is summed, and its RECEIVED notice frees the slot at
+    2.2, so the second slice leaves then, not after the reply (2.1 + 0.1 + 0.25 = 2.45)."""
     latency = 0.1
     cluster = at_whole_rate(2, 1, RATE, latency_s=latency, **FREE)
     result = simulate(one_gradient(2_000_000), cluster, Strategy("p3", slice_size=250_000, water_mark=1))
-    assert [(round(t, 9), param, part) for t, param, part in result.sends[:2]] == [(1.5, 0, 0), (1.95, 0, 1)]
+    assert [(round(t, 9), param, part) for t, param, part in result.sends[:2]] == [(1.5, 0, 0), (2.2, 0, 1)]
     assert result.notices > 0
 
 
@@ -328,6 +330,22 @@ def test_a_job_arriving_later_slows_the_running_one() -> None:
     events.at(1.0, lambda: cpu.run(0.5, lambda: ends.update(short=events.now)))
     events.run()
     assert ends == pytest.approx({"short": 2.0, "long": 2.5})
+
+
+def test_a_link_shares_its_rate_between_peers_and_keeps_each_peers_order() -> None:
+    """Messages of 1 s to two peers leave together: the peers' flows share the rate, so both end at 2 s
+    (not 1 and 2, as one FIFO would have it); a second message to peer a waits for the first, then
+    has the link to itself: 2 + 1 = 3 s. Each starts when its flow's earlier messages have left."""
+    events = Events()
+    ends: dict[str, float] = {}
+    starts: dict[str, float] = {}
+    link = Link(events)
+    for name, peer in (("a1", ("worker", 0)), ("b", ("worker", 1)), ("a2", ("worker", 0))):
+        link.put(peer, 1.0, partial(lambda n: ends.update({n: events.now}), name),
+                 started=partial(lambda n: starts.update({n: events.now}), name))  # fmt: skip
+    events.run()
+    assert ends == pytest.approx({"a1": 2.0, "b": 2.0, "a2": 3.0})
+    assert starts == pytest.approx({"a1": 0.0, "b": 0.0, "a2": 2.0})
 
 
 def test_costs_per_byte_at_both_ends() -> None:
