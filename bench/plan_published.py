@@ -23,7 +23,7 @@ The paper's baseline is MXNet's default store, which already sends each gradient
 it, so "P3 over baseline" is ``p3 / overlap`` here; ``p3 / baseline`` is shown beside it.
 
 Reproduce: python bench/plan_published.py   (--efficiency, --message-us, --machines, --rates, --no-bulk; about
-7 minutes, most of it simulating; the first run also profiles both models, about 2 minutes, cached in
+9 minutes, most of it simulating; the first run also profiles both models, about 1 minute, cached in
 bench/out/plan_published/)
 Writes bench/out/plan_published.md and bench/out/plan_published.png.
 """
