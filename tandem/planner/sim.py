@@ -25,7 +25,7 @@ sharing the rate while several have bytes queued. A message takes ``bytes / (rat
 payload_fraction)`` of a link to itself (TCP/IP framing takes the rest); its head reaches the
 receiver's downlink ``latency`` after it starts leaving (cut-through), where it shares that downlink
 with the other senders' flows (incast), and it lands whole, once it has left the uplink and crossed
-the downlink. Priorities act above the links: in the worker's sender queue
+the downlink (the two ends not rate-coupled: ``_PSSim.cross``). Priorities act above the links: in the worker's sender queue
 and in the server's loop, so a high-priority slice waits for at most ``water_mark`` admitted slices
 (with ``water_mark=1``, only for the one in flight).
 The server's loop (``server.Server.serve``): take every message landed so far (a poll), serve its
@@ -309,13 +309,14 @@ class CPU:
 
 
 class Resource:
-    """One thing that does one job at a time (a link, a thread): jobs in (priority, arrival) order.
+    """One thing that does one job at a time (a thread, one connection's flow on a link): jobs in
+    (priority, arrival) order, each run on ``cpu`` (a host's cores, or a link's wire), so a job takes
+    longer while that is shared.
 
     ``put(seconds, done, priority, started)``: ``started`` runs when the job begins, ``done`` when it ends.
-    A thread's jobs run on its host's ``cpu`` (so take longer while the host's cores are shared); a link has none.
     """
 
-    def __init__(self, events: Events, cpu: CPU | None = None) -> None:
+    def __init__(self, events: Events, cpu: CPU) -> None:
         self.events, self.cpu = events, cpu
         self.busy = False
         self._queue: list[tuple[float, int, float, Callable[[], None], Callable[[], None] | None]] = []
@@ -333,36 +334,37 @@ class Resource:
             self.busy = False
             return
         _, _, seconds, done, started = heapq.heappop(self._queue)
-        self.busy, now = True, self.events.now
+        self.busy = True
         if started is not None:
             started()
-        if self.cpu is None:
-            self.events.at(now + seconds, partial(self._finish, done))
-        else:
-            self.cpu.run(seconds, partial(self._finish, done))
+        self.cpu.run(seconds, partial(self._finish, done))
 
     def _finish(self, done: Callable[[], None]) -> None:
         done()
         self._next()
 
 
+Peer = tuple[str, int]  # ("worker", k) or ("server", k): the other end of a connection
+
+
 class Link:
     """One direction of a host's NIC: a FIFO per peer (one TCP connection each), the peers' flows sharing
-    the rate equally while several have bytes queued, as packets of concurrent connections interleave
-    in a NIC's queue (processor sharing, ``CPU`` of one core); a link has no CPU of its own.
+    the wire equally while several have bytes queued, as packets of concurrent connections interleave
+    in a NIC's queue (processor sharing: the wire is a ``CPU`` of one core, not the host's cores).
 
-    ``put(peer, seconds, done, started)``: ``seconds`` of the whole rate; ``started`` runs when the
+    ``put(peer, seconds, done, started)``: ``seconds`` with the link to itself; ``started`` runs when the
     message's first byte leaves (its flow's earlier messages sent), ``done`` when its last has.
     """
 
     def __init__(self, events: Events) -> None:
-        self.events, self.rate = events, CPU(events, cores=1.0)
-        self.flows: dict[tuple[str, int], Resource] = {}
+        self.events, self.wire = events, CPU(events, cores=1.0)
+        self.flows: dict[Peer, Resource] = {}
 
-    def put(self, peer: tuple[str, int], seconds: float, done: Callable[[], None],
+    def put(self, peer: Peer, seconds: float, done: Callable[[], None],
             started: Callable[[], None] | None = None) -> None:  # fmt: skip
-        flow = self.flows.get(peer) or self.flows.setdefault(peer, Resource(self.events, self.rate))
-        flow.put(seconds, done, started=started)
+        if peer not in self.flows:
+            self.flows[peer] = Resource(self.events, self.wire)
+        self.flows[peer].put(seconds, done, started=started)
 
 
 # -- the parameter-server modes ----------------------------------------------------------------------------
@@ -565,16 +567,20 @@ class _PSSim:
         self.cross(self.uplink[worker], ("worker", worker), self.server_down[server], ("server", server),
                    sum(r.nbytes for r in requests), landed)  # fmt: skip
 
-    def cross(self, up: Link, sender: tuple[str, int], down: Link, receiver: tuple[str, int], nbytes: float,
+    def cross(self, up: Link, sender: Peer, down: Link, receiver: Peer, nbytes: float,
               landed: Callable[[], None]) -> None:  # fmt: skip
         """A message over the sender's uplink and the receiver's downlink, cut-through: its head reaches
         the downlink ``latency`` after it starts leaving; it lands once its last byte has left the
-        uplink (plus latency) and crossed the downlink, the later of the two."""
-        seconds, waiting = nbytes / self.rate, [2]
+        uplink (plus latency) and crossed the downlink, the later of the two. The two ends are not
+        rate-coupled (no max-min fairness): each charges its link the message's whole time at its own
+        share, so the slower end sets the landing and each link's busy time is right, but a flow held
+        back at one end still takes its full share at the other."""
+        seconds, ends_left = nbytes / self.rate, 2
 
         def one_end_done() -> None:
-            waiting[0] -= 1
-            if waiting[0] == 0:
+            nonlocal ends_left
+            ends_left -= 1
+            if ends_left == 0:
                 landed()
 
         def head_arrives() -> None:

@@ -60,6 +60,7 @@ def test_links_carry_tcp_ip_framing() -> None:
     MTU 1500, so the push and the pull of 4 MB take 1514 / 1448 s each, not 1 s; 1.0 is the whole rate."""
     real = simulate(one_gradient(), Cluster(1, 1, RATE, latency_s=0.0, **FREE), Strategy("overlap"))
     assert real.iteration_s == pytest.approx(1.5 + 2 * 1514 / 1448)
+    assert allreduce_seconds(4_000_000, Cluster(2, 0, RATE, latency_s=0.0, **FREE)) == pytest.approx(1514 / 1448)
     assert Cluster(1, 1, RATE).bytes_per_s == pytest.approx(4e6 * TCP_PAYLOAD_FRACTION)
     with pytest.raises(ValueError, match="payload_fraction"):
         Cluster(1, 1, RATE, payload_fraction=0.0)
@@ -111,12 +112,14 @@ def test_a_parked_slice_is_released_by_its_notice() -> None:
     """2 workers, 1 server, 2 slices of 0.25 s each, water mark 1: both workers' first slices reach the
     server's downlink at 1.6 and share it (0.25 s each at half the rate), so both land at 2.1; worker
     0's is served first, parked until worker 1's is summed, and its RECEIVED notice frees the slot at
-    2.2, so the second slice leaves then, not after the reply (2.1 + 0.1 + 0.25 = 2.45)."""
+    2.2, so the second slice leaves then, not after the reply: the replies to both workers share the
+    server's uplink (0.5 s), so worker 0's lands at 2.1 + 0.5 + 0.1 = 2.7."""
     latency = 0.1
     cluster = at_whole_rate(2, 1, RATE, latency_s=latency, **FREE)
     result = simulate(one_gradient(2_000_000), cluster, Strategy("p3", slice_size=250_000, water_mark=1))
     assert [(round(t, 9), param, part) for t, param, part in result.sends[:2]] == [(1.5, 0, 0), (2.2, 0, 1)]
     assert result.notices > 0
+    assert result.replies[0][0] == pytest.approx(2.7)
 
 
 def test_no_notices_where_the_cap_never_binds() -> None:
@@ -335,17 +338,20 @@ def test_a_job_arriving_later_slows_the_running_one() -> None:
 def test_a_link_shares_its_rate_between_peers_and_keeps_each_peers_order() -> None:
     """Messages of 1 s to two peers leave together: the peers' flows share the rate, so both end at 2 s
     (not 1 and 2, as one FIFO would have it); a second message to peer a waits for the first, then
-    has the link to itself: 2 + 1 = 3 s. Each starts when its flow's earlier messages have left."""
+    has the link to itself: 2 + 1 = 3 s. Each starts when its flow's earlier messages have left. An
+    empty message (a notice) to a third peer ends at once and slows no one; one to peer a waits for
+    a's earlier messages."""
     events = Events()
     ends: dict[str, float] = {}
     starts: dict[str, float] = {}
     link = Link(events)
-    for name, peer in (("a1", ("worker", 0)), ("b", ("worker", 1)), ("a2", ("worker", 0))):
-        link.put(peer, 1.0, partial(lambda n: ends.update({n: events.now}), name),
+    for name, peer, seconds in (("a1", ("worker", 0), 1.0), ("b", ("worker", 1), 1.0), ("a2", ("worker", 0), 1.0),
+                                ("c0", ("server", 0), 0.0), ("a0", ("worker", 0), 0.0)):  # fmt: skip
+        link.put(peer, seconds, partial(lambda n: ends.update({n: events.now}), name),
                  started=partial(lambda n: starts.update({n: events.now}), name))  # fmt: skip
     events.run()
-    assert ends == pytest.approx({"a1": 2.0, "b": 2.0, "a2": 3.0})
-    assert starts == pytest.approx({"a1": 0.0, "b": 0.0, "a2": 2.0})
+    assert ends == pytest.approx({"a1": 2.0, "b": 2.0, "a2": 3.0, "c0": 0.0, "a0": 3.0})
+    assert starts == pytest.approx({"a1": 0.0, "b": 0.0, "a2": 2.0, "c0": 0.0, "a0": 3.0})
 
 
 def test_costs_per_byte_at_both_ends() -> None:
