@@ -10,6 +10,8 @@ request and one reply, so the worker's CPU per pushpull is ``2 (message_s + byte
 server's ``2 (server_message_s + bytes server_byte_s)`` plus the two passes over the bytes the
 simulator charges as summing (the push, the round's update); the update's fixed cost per slot goes
 into ``server_message_s``, so the simulator charges it per request rather than once per round.
+Those are the costs of messages back to back; a message after an idle gap costs more (``wake``, at
+0.2-20 ms gaps: in a job a thread mostly waits, or computes, between messages).
 ``aggregate_bytes_per_s``: float32 bytes a server adds per second (``a.add_(b)`` on 64 MB arrays,
 beyond the caches as received gradients are, one thread).
 """
@@ -27,6 +29,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from tandem.planner.sim import Machine
 
@@ -42,12 +45,21 @@ def _thread_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int = 60,
-                  repeats: int = 5, authenticated: bool = True) -> dict[str, float]:  # fmt: skip
-    """message_s, byte_s, server_message_s, server_byte_s: CPU per message and per byte, worker and server.
+WAKE_GAPS = (0.2e-3, 1e-3, 5e-3, 20e-3)  # idle seconds before a message at which the wake-up fee is measured
+WAKE_SECONDS = 0.3  # of idling per gap and repeat (fewer trips at the longer gaps)
+
+
+def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int = 60, repeats: int = 5,
+                  authenticated: bool = True, wake_gaps: tuple[float, ...] = WAKE_GAPS) -> dict[str, Any]:  # fmt: skip
+    """message_s, byte_s, server_message_s, server_byte_s: CPU per message and per byte, worker and
+    server, of messages back to back; ``wake``: the extra CPU of a message after an idle gap.
 
     ``authenticated``: with a secret, as ``tandem launch`` runs a job unless told ``--no-secret``
-    (whole-message tags cost CPU per byte on both ends)."""
+    (whole-message tags cost CPU per byte on both ends). ``wake``: for each of ``wake_gaps``, small
+    pushpulls with the worker sleeping that long before each (the server idle as long): the CPU per
+    trip beyond the back-to-back trips', the worker's split over its two messages (the request it
+    sends and the reply it receives, each after a wait, as ``sim.Resource`` charges them), the
+    server's all on the request (its reply follows at once)."""
     import torch
     import torch.distributed as dist
 
@@ -76,29 +88,37 @@ def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int 
         for numel, trips in sizes:  # warm up, once
             for _ in range(trips // 10):
                 kv.pushpull(f"probe{numel}", buffers[numel][0], out=buffers[numel][1]).wait()
-        samples: dict[int, list[tuple[float, float]]] = {numel: [] for numel, _ in sizes}
+        # (numel, idle seconds before each trip, trips): back to back for both sizes, then small ones after gaps
+        runs = [(numel, 0.0, trips) for numel, trips in sizes]
+        runs += [(4, gap, max(5, min(small_trips, round(WAKE_SECONDS / gap)))) for gap in wake_gaps]
+        samples: dict[tuple[int, float], list[tuple[float, float]]] = {(numel, gap): [] for numel, gap, _ in runs}
         for _ in range(repeats):  # interleaved, the median of each: one disturbed pass does not decide
-            for numel, trips in sizes:
+            for numel, gap, trips in runs:
                 value, out = buffers[numel]
                 worker, served = time.process_time(), _thread_seconds(server.pid)
                 for _ in range(trips):
+                    if gap:
+                        time.sleep(gap)
                     kv.pushpull(f"probe{numel}", value, out=out).wait()
-                samples[numel].append(((time.process_time() - worker) / trips,
-                                       (_thread_seconds(server.pid) - served) / trips))  # fmt: skip
+                samples[numel, gap].append(((time.process_time() - worker) / trips,
+                                            (_thread_seconds(server.pid) - served) / trips))  # fmt: skip
         kv.close()
-        per_trip = {numel: (statistics.median(w for w, _ in found), statistics.median(s for _, s in found))
-                    for numel, found in samples.items()}  # fmt: skip
+        per_trip = {run: (statistics.median(w for w, _ in found), statistics.median(s for _, s in found))
+                    for run, found in samples.items()}  # fmt: skip
     finally:
         torch.set_num_threads(threads)
         if not _ended(server):
             server.kill()
             server.wait()
     extra = (large - 4) * 4  # bytes more per message
-    (worker_small, server_small), (worker_large, server_large) = per_trip[4], per_trip[large]
+    (worker_small, server_small), (worker_large, server_large) = per_trip[4, 0.0], per_trip[large, 0.0]
     summing = 2 * extra / aggregate_bytes_per_s()  # what the simulator charges a server as summing
+    wake = [(gap, max(0.0, (per_trip[4, gap][0] - worker_small) / 2), max(0.0, per_trip[4, gap][1] - server_small))
+            for gap in wake_gaps]  # fmt: skip
     return {"message_s": worker_small / 2, "byte_s": max(0.0, (worker_large - worker_small) / (2 * extra)),
             "server_message_s": server_small / 2,
-            "server_byte_s": max(0.0, (server_large - server_small - summing) / (2 * extra))}  # fmt: skip
+            "server_byte_s": max(0.0, (server_large - server_small - summing) / (2 * extra)),
+            "wake": tuple(wake)}  # fmt: skip
 
 
 def _ended(process: subprocess.Popen[bytes], timeout: float = 10.0) -> bool:
@@ -184,6 +204,11 @@ def _read(path: str | Path) -> tuple[Machine, float | None]:
     return Machine(**found), dispatch_s
 
 
+def _complete(path: str | Path) -> bool:
+    """Whether a cache holds every cost this version measures (earlier ones lacked the wake-up fee)."""
+    return "wake" in json.loads(Path(path).read_text())
+
+
 def load(path: str | Path) -> Machine:
     return _read(path)[0]
 
@@ -203,18 +228,22 @@ def this_machine(cache: str | Path | None = None, refresh: bool = False, dispatc
     """This machine, every process on it: read from ``cache`` if there (and not ``refresh``), else measured
     (a few seconds) and saved there. A cache is measured again when this machine's per-op speed
     (``dispatch_s``: ``dispatch_seconds()`` unless given) is ``stale`` against the speed saved with it,
-    or none was saved (a cache of an earlier version): a machine shared with other tenants can run
-    at half its speed for hours, and every cost with it."""
+    or none was saved, or it lacks a cost this version measures (a cache of an earlier version): a
+    machine shared with other tenants can run at half its speed for hours, and every cost with it."""
     if cache is not None and dispatch_s is None:
         dispatch_s = dispatch_seconds()
     if cache is not None and Path(cache).exists() and not refresh:
         machine, then = _read(cache)
         assert dispatch_s is not None
-        if not stale(then, dispatch_s):
+        if not _complete(cache):
+            print(f"{cache}: written by an earlier version (no wake-up fee): measuring this machine's costs again",
+                  file=sys.stderr)  # fmt: skip
+        elif not stale(then, dispatch_s):
             return machine
-        known = f"{then * 1e6:.2f} us" if isinstance(then, (int, float)) else "an unknown speed"
-        print(f"{cache}: measured at {known} per torch call, this machine now takes {dispatch_s * 1e6:.2f} us: "
-              f"measuring its costs again", file=sys.stderr)  # fmt: skip
+        else:
+            known = f"{then * 1e6:.2f} us" if isinstance(then, (int, float)) else "an unknown speed"
+            print(f"{cache}: measured at {known} per torch call, this machine now takes {dispatch_s * 1e6:.2f} us: "
+                  f"measuring its costs again", file=sys.stderr)  # fmt: skip
     machine = measure_machine()
     if cache is not None:
         save(machine, cache, dispatch_s)

@@ -37,7 +37,8 @@ thread and in the receiving worker's IO thread (requests leaving the sender at o
 message per server, up to ``TANDEM_PS_COALESCE_BYTES``); a server spends ``server_message_s + bytes *
 server_byte_s + bytes / aggregate_Bps`` per request received (receive and sum), ``bytes /
 aggregate_Bps`` once per round (the update) and ``server_message_s + bytes * server_byte_s`` per
-message it sends (replies, RECEIVED notices). Every thread's work (compute segments included) runs on its host's ``cores``, shared by
+message it sends (replies, RECEIVED notices). A thread that finds no message waiting and is woken by
+the next pays ``Machine.wake_s`` on top, more the longer it waited (caches gone cold; measured). Every thread's work (compute segments included) runs on its host's ``cores``, shared by
 processor sharing (``CPU``): n busy threads on c cores each progress at min(1, c / n), or
 min(1, c / (n + b)) beside ``Machine.background`` threads of other work. A host is one
 worker or one server (a cluster); with ``Cluster.colocated``, worker k and server k share a host (its
@@ -127,20 +128,41 @@ class Machine:
     cores: float = INF  # cores per host
     shared_host: bool = False  # every worker and server on one host of ``cores`` (one machine); else one each
     background: float = 0.0  # threads of other work, always runnable, on every host (measure.background_threads)
+    # The wake-up fee: a thread that has handled no message for a while pays more CPU for the next one
+    # (caches cold after other work or idle cores, the wake-up itself). Points (idle seconds, worker's
+    # fee, server's fee), idle seconds increasing; the fee is interpolated linearly from (0, 0, 0) and
+    # stays at the last point's beyond it. Empty: no fee (every message costs what a busy thread pays).
+    wake: tuple[tuple[float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "wake", tuple(tuple(float(v) for v in point) for point in self.wake))  # from JSON lists
         costs = (self.message_s, self.byte_s, self.server_message_s, self.server_byte_s)
         if not (all(c >= 0 for c in costs) and self.aggregate_Bps > 0 and self.cores > 0 and self.background >= 0):
             raise ValueError(f"CPU costs and background must be >= 0, aggregate_Bps and cores > 0, got {self}")
+        gaps = [point[0] for point in self.wake]
+        if any(len(point) != 3 or min(point) < 0 for point in self.wake) or gaps != sorted(set(gaps)) or 0.0 in gaps:
+            raise ValueError(f"wake: points (idle seconds > 0, increasing; worker fee >= 0; server fee >= 0), "
+                             f"got {self.wake}")  # fmt: skip
+
+    def wake_s(self, idle_s: float, server: bool = False) -> float:
+        """The extra CPU seconds of a message handled by a thread that had handled none for ``idle_s``."""
+        side = 2 if server else 1
+        previous = (0.0, 0.0, 0.0)
+        for point in self.wake:
+            if idle_s <= point[0]:
+                return previous[side] + (point[side] - previous[side]) * (idle_s - previous[0]) / (point[0] - previous[0])
+            previous = point
+        return previous[side]
 
     def describe(self) -> str:
         where = (f"all on one host of {self.cores:g} cores" if self.shared_host
                  else "one host each" + ("" if self.cores == INF else f", {self.cores:g} cores"))  # fmt: skip
         if self.background:
             where += f", {self.background:.1f} threads of other work"
+        wake = ", ".join(f"{gap * 1e3:g} ms: +{worker * 1e6:.0f} / +{server * 1e6:.0f} us" for gap, worker, server in self.wake)
         return (f"CPU per message {self.message_s * 1e6:.0f} us + {self.byte_s * 1e9:.2f} ns/B (servers "
                 f"{self.server_message_s * 1e6:.0f} us + {self.server_byte_s * 1e9:.2f} ns/B), servers sum "
-                f"{self.aggregate_Bps / 1e9:.1f} GB/s; {where}")  # fmt: skip
+                f"{self.aggregate_Bps / 1e9:.1f} GB/s" + (f", after idle ({wake})" if wake else "") + f"; {where}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -314,11 +336,14 @@ class Resource:
     longer while that is shared.
 
     ``put(seconds, done, priority, started)``: ``started`` runs when the job begins, ``done`` when it ends.
+    ``wake(idle_seconds)``: extra seconds for a job that finds the resource idle (a thread's wake-up
+    fee, ``Machine.wake_s``); a job queued behind another pays none.
     """
 
-    def __init__(self, events: Events, cpu: CPU) -> None:
-        self.events, self.cpu = events, cpu
+    def __init__(self, events: Events, cpu: CPU, wake: Callable[[float], float] | None = None) -> None:
+        self.events, self.cpu, self.wake = events, cpu, wake
         self.busy = False
+        self.idle_since = -INF  # never busy yet: a first job pays the longest wake-up
         self._queue: list[tuple[float, int, float, Callable[[], None], Callable[[], None] | None]] = []
         self._order = 0
 
@@ -327,14 +352,16 @@ class Resource:
         heapq.heappush(self._queue, (-priority, self._order, seconds, done, started))
         self._order += 1
         if not self.busy:
-            self._next()
+            self._next(woken=True)
 
-    def _next(self) -> None:
+    def _next(self, woken: bool = False) -> None:
         if not self._queue:
-            self.busy = False
+            self.busy, self.idle_since = False, self.events.now
             return
         _, _, seconds, done, started = heapq.heappop(self._queue)
         self.busy = True
+        if woken and self.wake is not None:
+            seconds += self.wake(self.events.now - self.idle_since)
         if started is not None:
             started()
         self.cpu.run(seconds, partial(self._finish, done))
@@ -459,12 +486,13 @@ class _PSSim:
                        for k in range(cluster.servers)]  # fmt: skip
         self.uplink = [Link(ev) for _ in range(n_workers)]
         self.downlink = [Link(ev) for _ in range(n_workers)]
-        self.sender = [Resource(ev, self.cpu[w]) for w in range(n_workers)]  # the worker's sender thread
-        self.receiver = [Resource(ev, self.cpu[w]) for w in range(n_workers)]  # the worker's IO thread
+        worker_wake, server_wake = partial(machine.wake_s, server=False), partial(machine.wake_s, server=True)
+        self.sender = [Resource(ev, self.cpu[w], worker_wake) for w in range(n_workers)]  # the worker's sender thread
+        self.receiver = [Resource(ev, self.cpu[w], worker_wake) for w in range(n_workers)]  # the worker's IO thread
         colocated = cluster.colocated
         self.server_up = [self.uplink[k] if colocated else Link(ev) for k in range(cluster.servers)]
         self.server_down = [self.downlink[k] if colocated else Link(ev) for k in range(cluster.servers)]
-        self.server_cpu = [Resource(ev, cpu) for cpu in server_cpus]  # the server's thread
+        self.server_cpu = [Resource(ev, cpu, server_wake) for cpu in server_cpus]  # the server's thread
         self.queued: list[list[tuple[float, int, _Request]]] = [[] for _ in range(n_workers)]  # send queues
         self.order = 0
         self.in_flight = [0] * n_workers  # capped requests not released

@@ -35,3 +35,14 @@ def test_a_cache_from_another_speed_is_measured_again(tmp_path: Path, capsys: py
     assert 0 < machine.message_s < 0.01 and machine.cores >= 1
     assert "measuring its costs again" in capsys.readouterr().err
     assert load(path) == machine and json.loads(path.read_text())["dispatch_s"] == 15e-6
+
+
+def test_a_cache_of_an_earlier_version_is_measured_again(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A cache without the wake-up fee (written before it was measured) is not read at any speed."""
+    path = save(BOGUS, tmp_path / "machine.json", 5e-6)
+    found = json.loads(path.read_text())
+    del found["wake"]
+    path.write_text(json.dumps(found))
+    machine = this_machine(path, dispatch_s=5e-6)
+    assert machine.message_s < 0.01 and len(machine.wake) == 4 and all(worker >= 0 for _, worker, _ in machine.wake)
+    assert "earlier version" in capsys.readouterr().err and load(path) == machine

@@ -16,6 +16,7 @@ from tandem.planner.sim import (
     Events,
     Link,
     Machine,
+    Resource,
     Strategy,
     Workload,
     allgather_seconds,
@@ -388,3 +389,46 @@ def test_small_slices_cost_compute_on_a_shared_host() -> None:
     coarse = simulate(two_layers(), cluster, Strategy("p3", slice_size=1_000_000)).iteration_s
     fine = simulate(two_layers(), cluster, Strategy("p3", slice_size=100_000)).iteration_s
     assert fine > coarse + 0.1
+
+
+# -- the wake-up fee (Machine.wake) --------------------------------------------------------------------
+
+
+def test_the_wake_up_fee_is_interpolated_between_measured_gaps() -> None:
+    """Linear from (0, 0) to each measured point, flat beyond the last; the server's column for servers."""
+    machine = Machine(wake=((1e-3, 10e-6, 20e-6), (5e-3, 30e-6, 60e-6)))
+    assert machine.wake_s(0.5e-3) == pytest.approx(5e-6)
+    assert machine.wake_s(0.5e-3, server=True) == pytest.approx(10e-6)
+    assert machine.wake_s(3e-3) == pytest.approx(20e-6)  # half way from 10 to 30 us
+    assert machine.wake_s(3e-3, server=True) == pytest.approx(40e-6)
+    assert machine.wake_s(math.inf) == pytest.approx(30e-6)
+    assert Machine().wake_s(1.0) == 0.0  # no points: no fee
+    assert Machine(wake=[[1e-3, 1e-6, 2e-6]]).wake == ((1e-3, 1e-6, 2e-6),)  # type: ignore[list-item]  # as JSON has it
+
+
+@pytest.mark.parametrize("wake", [((5e-3, 0, 0), (1e-3, 0, 0)), ((1e-3, -1e-6, 0),), ((0.0, 1e-6, 1e-6),),
+                                  ((1e-3, 1e-6),)])  # fmt: skip
+def test_a_malformed_wake_up_fee_is_refused(wake: Any) -> None:
+    with pytest.raises(ValueError, match="wake: points"):
+        Machine(wake=wake)
+
+
+def test_a_thread_woken_from_idle_pays_the_fee_a_queued_job_does_not() -> None:
+    """Fee 0.5 s after more than 1 s idle, else 0.1 s. Two 1 s jobs at 0: the first wakes the thread (never
+    busy: the longest fee), 1.5 s; the second was queued, no fee: 2.5 s. A job at 3 s (idle 0.5 s): 4.1 s;
+    one at 6 s (idle 1.9 s): 7.5 s."""
+    events = Events()
+    ends: list[float] = []
+    thread = Resource(events, CPU(events), wake=lambda idle: 0.5 if idle > 1.0 else 0.1)
+    for start in (0.0, 0.0, 3.0, 6.0):
+        events.at(start, lambda: thread.put(1.0, lambda: ends.append(events.now)))
+    events.run()
+    assert ends == pytest.approx([1.5, 2.5, 4.1, 7.5])
+
+
+def test_each_message_that_wakes_a_thread_pays_the_fee() -> None:
+    """The one-gradient pushpull: the worker's sender and its IO thread are each woken once (0.01 s each);
+    the server is woken by the request and sends the reply straight after (one fee, 0.02 s)."""
+    machine = dataclasses.replace(NO_COST, wake=((1e-3, 0.01, 0.02),))
+    result = simulate(one_gradient(), at_whole_rate(1, 1, RATE, latency_s=0.0, machine=machine), Strategy("overlap"))
+    assert result.iteration_s == pytest.approx(1.5 + 2.0 + 2 * 0.01 + 0.02)
