@@ -226,7 +226,7 @@ def stale(then: object, now: float) -> bool:
 
 def this_machine(cache: str | Path | None = None, refresh: bool = False, dispatch_s: float | None = None) -> Machine:
     """This machine, every process on it: read from ``cache`` if there (and not ``refresh``), else measured
-    (a few seconds) and saved there. A cache is measured again when this machine's per-op speed
+    (about 15 s) and saved there. A cache is measured again when this machine's per-op speed
     (``dispatch_s``: ``dispatch_seconds()`` unless given) is ``stale`` against the speed saved with it,
     or none was saved, or it lacks a cost this version measures (a cache of an earlier version): a
     machine shared with other tenants can run at half its speed for hours, and every cost with it."""

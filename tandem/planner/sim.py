@@ -117,7 +117,7 @@ class Machine:
 
     The defaults are costs measured on a 2-core x86_64 machine (CPU time, not wall time; messages
     authenticated, the update on the servers) and hosts with a core to spare for every thread
-    (``cores=inf``), one process per host.
+    (``cores=inf``), one process per host, with no wake-up fee (that machine's was of its virtual CPUs).
     """
 
     message_s: float = 51e-6  # a worker's CPU per message sent or received
