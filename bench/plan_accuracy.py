@@ -188,15 +188,18 @@ def repeat(args: argparse.Namespace) -> str:
             + markdown_table(["pass", "mode", "measured samples/s", "us per torch call before / after"], rows))
 
 
-def resimulate(row: dict[str, Any], out: Path, background: float = 0.0) -> float:
+def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, machine: Path | None = None) -> float:
     """The current simulator's prediction of ``row``'s job at its knobs, with ``background`` threads of
-    other work (0: had the machine had no other work)."""
+    other work (0: had the machine had no other work), at the costs it was planned with (or ``machine``'s)."""
     from tandem.planner.measure import load
     from tandem.planner.profile import Profile
     from tandem.planner.search import parse_rate
     from tandem.planner.sim import Cluster, Machine, Strategy, simulate
 
-    recorded = Machine(**row["machine"]) if "machine" in row else load(out / "machine.json")  # as it was planned
+    if machine is not None:
+        recorded = load(machine)
+    else:
+        recorded = Machine(**row["machine"]) if "machine" in row else load(out / "machine.json")  # as it was planned
     machine = dataclasses.replace(recorded, background=background)
     knobs = re.match(r"(?:p3|collective) \((\d+)k, wm (\d+)\)", row["label"])
     strategy = Strategy(row["mode"], int(knobs[1]) * 1000, int(knobs[2])) if knobs else Strategy(row["mode"])
@@ -216,7 +219,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> s
     rows = sorted(rows, key=lambda r: (r["model"], r["workers"], r["servers"], args.rates.index(r["rate"])
                                        if r["rate"] in args.rates else 9, order[r["mode"]]))  # fmt: skip
     errors = [r["predicted"] / r["measured"] - 1 for r in rows]
-    quiets = [resimulate(r, out) for r in rows]
+    quiets = [resimulate(r, out, machine=args.machine) for r in rows]
     quiet_errors = [q / r["measured"] - 1 for r, q in zip(rows, quiets)]
     table = markdown_table(["model", "workers + servers", "link", "mode", "predicted samples/s", "measured",
                             "error", "other threads before / after", "predicted, no other work", "its error"],
@@ -279,11 +282,16 @@ def main() -> None:
     parser.add_argument("--repredict", action="store_true",
                         help="with --report-only: predict each recorded job again with the current simulator, at "
                              "the knobs it ran (the planner may now choose others) and its recorded other work")  # fmt: skip
+    parser.add_argument("--machine", type=Path, default=None, metavar="PATH",
+                        help="with --repredict: every job at the costs saved in PATH (python -m "
+                             "tandem.planner.measure PATH measures them), not the ones it was planned with")  # fmt: skip
     args = parser.parse_args()
     if args.runs < 5:
         parser.error("--runs must be >= 5 (medians of at least 5 runs)")
     if args.repredict and not args.report_only:
         parser.error("--repredict re-predicts recorded jobs: use it with --report-only")
+    if args.machine is not None and not args.repredict:
+        parser.error("--machine gives --repredict its costs: use it with --report-only --repredict")
     out = OUT / "plan_accuracy"
     out.mkdir(parents=True, exist_ok=True)
     if args.repeat:
@@ -297,12 +305,12 @@ def main() -> None:
     if args.report_only:
         rows = [json.loads(line) for line in (out / "jobs.jsonl").read_text().splitlines()]
         if args.repredict:
-            rows = [{**row, "predicted": resimulate(row, out, row["background"])} for row in rows]
+            rows = [{**row, "predicted": resimulate(row, out, row["background"], args.machine)} for row in rows]
     else:
         rows = run_grid(args, out)
     from tandem.planner.measure import load
 
-    machine = load(out / "machine.json")
+    machine = load(args.machine or out / "machine.json")
     text = report(rows, args, out)
     note = (f"`tandem plan` predicted vs measured samples/s on this machine ({machine.describe()}); error = "
             f"predicted / measured - 1; other threads: runnable threads of other work on the machine in the 2 s "

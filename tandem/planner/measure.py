@@ -45,7 +45,7 @@ def _thread_seconds(pid: int) -> float:
     return total / 1e9
 
 
-WAKE_GAPS = (0.2e-3, 1e-3, 5e-3, 20e-3)  # idle seconds before a message at which the wake-up fee is measured
+WAKE_GAPS = (0.2e-3, 1e-3, 5e-3, 20e-3)  # seconds the probe sleeps before a message to measure the wake-up fee
 WAKE_SECONDS = 0.3  # of idling per gap and repeat (fewer trips at the longer gaps)
 
 
@@ -55,11 +55,8 @@ def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int 
     server, of messages back to back; ``wake``: the extra CPU of a message after an idle gap.
 
     ``authenticated``: with a secret, as ``tandem launch`` runs a job unless told ``--no-secret``
-    (whole-message tags cost CPU per byte on both ends). ``wake``: for each of ``wake_gaps``, small
-    pushpulls with the worker sleeping that long before each (the server idle as long): the CPU per
-    trip beyond the back-to-back trips', the worker's split over its two messages (the request it
-    sends and the reply it receives, each after a wait, as ``sim.Resource`` charges them), the
-    server's all on the request (its reply follows at once)."""
+    (whole-message tags cost CPU per byte on both ends). ``wake``: small pushpulls with the worker
+    sleeping each of ``wake_gaps`` before each trip (``wake_points``)."""
     import torch
     import torch.distributed as dist
 
@@ -91,19 +88,20 @@ def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int 
         # (numel, idle seconds before each trip, trips): back to back for both sizes, then small ones after gaps
         runs = [(numel, 0.0, trips) for numel, trips in sizes]
         runs += [(4, gap, max(5, min(small_trips, round(WAKE_SECONDS / gap)))) for gap in wake_gaps]
-        samples: dict[tuple[int, float], list[tuple[float, float]]] = {(numel, gap): [] for numel, gap, _ in runs}
+        samples: dict[tuple[int, float], list[tuple[float, float, float]]] = {(n, gap): [] for n, gap, _ in runs}
         for _ in range(repeats):  # interleaved, the median of each: one disturbed pass does not decide
             for numel, gap, trips in runs:
                 value, out = buffers[numel]
-                worker, served = time.process_time(), _thread_seconds(server.pid)
+                wall, worker, served = time.perf_counter(), time.process_time(), _thread_seconds(server.pid)
                 for _ in range(trips):
                     if gap:
                         time.sleep(gap)
                     kv.pushpull(f"probe{numel}", value, out=out).wait()
-                samples[numel, gap].append(((time.process_time() - worker) / trips,
+                samples[numel, gap].append(((time.perf_counter() - wall) / trips,
+                                            (time.process_time() - worker) / trips,
                                             (_thread_seconds(server.pid) - served) / trips))  # fmt: skip
         kv.close()
-        per_trip = {run: (statistics.median(w for w, _ in found), statistics.median(s for _, s in found))
+        per_trip = {run: tuple(statistics.median(sample[i] for sample in found) for i in range(3))
                     for run, found in samples.items()}  # fmt: skip
     finally:
         torch.set_num_threads(threads)
@@ -111,14 +109,28 @@ def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int 
             server.kill()
             server.wait()
     extra = (large - 4) * 4  # bytes more per message
-    (worker_small, server_small), (worker_large, server_large) = per_trip[4, 0.0], per_trip[large, 0.0]
+    (_, worker_small, server_small), (_, worker_large, server_large) = per_trip[4, 0.0], per_trip[large, 0.0]
     summing = 2 * extra / aggregate_bytes_per_s()  # what the simulator charges a server as summing
-    wake = [(gap, max(0.0, (per_trip[4, gap][0] - worker_small) / 2), max(0.0, per_trip[4, gap][1] - server_small))
-            for gap in wake_gaps]  # fmt: skip
     return {"message_s": worker_small / 2, "byte_s": max(0.0, (worker_large - worker_small) / (2 * extra)),
             "server_message_s": server_small / 2,
             "server_byte_s": max(0.0, (server_large - server_small - summing) / (2 * extra)),
-            "wake": tuple(wake)}  # fmt: skip
+            "wake": wake_points(per_trip[4, 0.0], [per_trip[4, gap] for gap in wake_gaps])}  # fmt: skip
+
+
+def wake_points(back_to_back: tuple[float, ...], after_gaps: list[tuple[float, ...]]) -> tuple[tuple[float, float, float], ...]:
+    """``Machine.wake`` from the probe's small pushpulls, each ``(wall, worker CPU, server CPU)`` per trip:
+    back to back, and with the worker sleeping before each. A thread's idle time before a message is
+    about a trip's wall time (each waits for the other end; back to back that is the costs' own
+    case: no fee), and the sleep's on top of it. The CPU per trip beyond the back-to-back trips' is
+    the fee: the worker's split over its two messages (the request it sends, the reply it receives,
+    as ``sim.Resource`` charges a sender and a receiver thread), the server's all on the request it
+    wakes to (its reply follows at once)."""
+    wall, worker, server = back_to_back[:3]
+    points = [(wall, 0.0, 0.0)]
+    for gap_wall, gap_worker, gap_server in (trip[:3] for trip in after_gaps):
+        idle = max(gap_wall, points[-1][0] * (1 + 1e-9) + 1e-9)  # increasing, however noisy the clock
+        points.append((idle, max(0.0, (gap_worker - worker) / 2), max(0.0, gap_server - server)))
+    return tuple(points)
 
 
 def _ended(process: subprocess.Popen[bytes], timeout: float = 10.0) -> bool:
@@ -250,7 +262,9 @@ def this_machine(cache: str | Path | None = None, refresh: bool = False, dispatc
     return machine
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m tandem.planner.measure [PATH]: print this machine's costs (and save them)
     found = measure_machine()
     print(json.dumps(dataclasses.asdict(found)))
     print(found.describe())
+    if len(sys.argv) > 1:
+        print(f"saved to {save(found, sys.argv[1], dispatch_seconds())}")

@@ -117,7 +117,8 @@ class Machine:
 
     The defaults are costs measured on a 2-core x86_64 machine (CPU time, not wall time; messages
     authenticated, the update on the servers) and hosts with a core to spare for every thread
-    (``cores=inf``), one process per host, with no wake-up fee (that machine's was of its virtual CPUs).
+    (``cores=inf``), one process per host, with no wake-up fee (one measured on a virtual machine says
+    little about a cluster's hosts).
     """
 
     message_s: float = 51e-6  # a worker's CPU per message sent or received
@@ -140,9 +141,10 @@ class Machine:
         if not (all(c >= 0 for c in costs) and self.aggregate_Bps > 0 and self.cores > 0 and self.background >= 0):
             raise ValueError(f"CPU costs and background must be >= 0, aggregate_Bps and cores > 0, got {self}")
         gaps = [point[0] for point in self.wake]
-        if any(len(point) != 3 or min(point) < 0 for point in self.wake) or gaps != sorted(set(gaps)) or 0.0 in gaps:
-            raise ValueError(f"wake: points (idle seconds > 0, increasing; worker fee >= 0; server fee >= 0), "
-                             f"got {self.wake}")  # fmt: skip
+        if (any(len(point) != 3 or min(point) < 0 or not all(map(math.isfinite, point)) for point in self.wake)
+                or gaps != sorted(set(gaps)) or 0.0 in gaps):  # fmt: skip
+            raise ValueError(f"wake: points (idle seconds > 0, increasing; worker fee >= 0; server fee >= 0; all "
+                             f"finite), got {self.wake}")  # fmt: skip
 
     def wake_s(self, idle_s: float, server: bool = False) -> float:
         """The extra CPU seconds of a message handled by a thread that had handled none for ``idle_s``."""
@@ -159,7 +161,7 @@ class Machine:
                  else "one host each" + ("" if self.cores == INF else f", {self.cores:g} cores"))  # fmt: skip
         if self.background:
             where += f", {self.background:.1f} threads of other work"
-        wake = ", ".join(f"{gap * 1e3:g} ms: +{worker * 1e6:.0f} / +{server * 1e6:.0f} us" for gap, worker, server in self.wake)
+        wake = ", ".join(f"{gap * 1e3:.2g} ms: +{worker * 1e6:.0f} / +{server * 1e6:.0f} us" for gap, worker, server in self.wake)
         return (f"CPU per message {self.message_s * 1e6:.0f} us + {self.byte_s * 1e9:.2f} ns/B (servers "
                 f"{self.server_message_s * 1e6:.0f} us + {self.server_byte_s * 1e9:.2f} ns/B), servers sum "
                 f"{self.aggregate_Bps / 1e9:.1f} GB/s" + (f", after idle ({wake})" if wake else "") + f"; {where}")  # fmt: skip

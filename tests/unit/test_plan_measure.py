@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.planner.measure import load, save, stale, this_machine
+from tandem.planner.measure import load, save, stale, this_machine, wake_points
 from tandem.planner.sim import Machine
 
 BOGUS = Machine(message_s=1.0, cores=2, shared_host=True)  # no real message costs a second
@@ -44,5 +44,16 @@ def test_a_cache_of_an_earlier_version_is_measured_again(tmp_path: Path, capsys:
     del found["wake"]
     path.write_text(json.dumps(found))
     machine = this_machine(path, dispatch_s=5e-6)
-    assert machine.message_s < 0.01 and len(machine.wake) == 4 and all(worker >= 0 for _, worker, _ in machine.wake)
+    assert machine.message_s < 0.01 and len(machine.wake) == 5 and machine.wake[0][1:] == (0.0, 0.0)  # back to back: none
     assert "earlier version" in capsys.readouterr().err and load(path) == machine
+
+
+def test_wake_points_from_the_probes_trips() -> None:
+    """Trips of (wall, worker CPU, server CPU): back to back 0.2 ms, 200 us, 220 us. After sleeps the
+    trips take 0.5 and 5.2 ms; the worker's extra CPU is split over its two messages, the server's is
+    all its request's. A noisy wall time that does not grow is nudged above the point before."""
+    points = wake_points((0.2e-3, 200e-6, 220e-6), [(0.5e-3, 260e-6, 250e-6), (5.2e-3, 800e-6, 700e-6),
+                                                    (5.1e-3, 190e-6, 100e-6)])  # fmt: skip
+    assert [p[0] for p in points[:3]] == pytest.approx([0.2e-3, 0.5e-3, 5.2e-3]) and points[3][0] > points[2][0]
+    assert [p[1] for p in points] == pytest.approx([0.0, 30e-6, 300e-6, 0.0])  # cheaper than back to back: none
+    assert [p[2] for p in points] == pytest.approx([0.0, 30e-6, 480e-6, 0.0])

@@ -407,7 +407,7 @@ def test_the_wake_up_fee_is_interpolated_between_measured_gaps() -> None:
 
 
 @pytest.mark.parametrize("wake", [((5e-3, 0, 0), (1e-3, 0, 0)), ((1e-3, -1e-6, 0),), ((0.0, 1e-6, 1e-6),),
-                                  ((1e-3, 1e-6),)])  # fmt: skip
+                                  ((1e-3, 1e-6),), ((math.inf, 1e-6, 1e-6),), ((1e-3, math.nan, 0),)])  # fmt: skip
 def test_a_malformed_wake_up_fee_is_refused(wake: Any) -> None:
     with pytest.raises(ValueError, match="wake: points"):
         Machine(wake=wake)
@@ -424,6 +424,17 @@ def test_a_thread_woken_from_idle_pays_the_fee_a_queued_job_does_not() -> None:
         events.at(start, lambda: thread.put(1.0, lambda: ends.append(events.now)))
     events.run()
     assert ends == pytest.approx([1.5, 2.5, 4.1, 7.5])
+
+
+def test_a_job_put_as_the_last_one_ends_pays_no_fee() -> None:
+    """A job put from the ``done`` of the job before it (a server's reply after its request) finds the
+    thread still busy: 1.5 s (woken), then 1 s more: 2.5 s."""
+    events = Events()
+    ends: list[float] = []
+    thread = Resource(events, CPU(events), wake=lambda idle: 0.5)
+    thread.put(1.0, lambda: thread.put(1.0, lambda: ends.append(events.now)))
+    events.run()
+    assert ends == pytest.approx([2.5])
 
 
 def test_each_message_that_wakes_a_thread_pays_the_fee() -> None:
