@@ -38,9 +38,10 @@ message per server, up to ``TANDEM_PS_COALESCE_BYTES``); a server spends ``serve
 server_byte_s + bytes / aggregate_Bps`` per request received (receive and sum), ``bytes /
 aggregate_Bps`` once per round (the update) and ``server_message_s + bytes * server_byte_s`` per
 message it sends (replies, RECEIVED notices). A thread that finds no message waiting and is woken by
-the next pays ``Machine.wake_s`` on top, more the longer it waited (caches gone cold; measured). Every thread's work (compute segments included) runs on its host's ``cores``, shared by
-processor sharing (``CPU``): n busy threads on c cores each progress at min(1, c / n), or
-min(1, c / (n + b)) beside ``Machine.background`` threads of other work. A host is one
+the next pays ``Machine.wake_s`` on top, more the longer it waited (caches gone cold; measured).
+Every thread's work (compute segments included) runs on its host's ``cores``, shared by processor
+sharing (``CPU``): n busy threads on c cores each progress at min(1, c / n), or min(1, c / (n + b))
+beside ``Machine.background`` threads of other work. A host is one
 worker or one server (a cluster); with ``Cluster.colocated``, worker k and server k share a host (its
 NIC, its cores; their messages to each other skip the network); with ``Machine.shared_host``, one
 host runs every worker and server (this machine under ``tandem launch``), so communication and
