@@ -210,15 +210,12 @@ def save(machine: Machine, path: str | Path, dispatch_s: float | None = None) ->
     return path
 
 
-def _read(path: str | Path) -> tuple[Machine, float | None]:
+def _read(path: str | Path) -> tuple[Machine, float | None, bool]:
+    """The cached machine, the per-op speed it was measured at, and whether it holds every cost this
+    version measures (earlier ones lacked the wake-up fee)."""
     found = json.loads(Path(path).read_text())
     dispatch_s = found.pop("dispatch_s", None)
-    return Machine(**found), dispatch_s
-
-
-def _complete(path: str | Path) -> bool:
-    """Whether a cache holds every cost this version measures (earlier ones lacked the wake-up fee)."""
-    return "wake" in json.loads(Path(path).read_text())
+    return Machine(**found), dispatch_s, "wake" in found
 
 
 def load(path: str | Path) -> Machine:
@@ -245,9 +242,9 @@ def this_machine(cache: str | Path | None = None, refresh: bool = False, dispatc
     if cache is not None and dispatch_s is None:
         dispatch_s = dispatch_seconds()
     if cache is not None and Path(cache).exists() and not refresh:
-        machine, then = _read(cache)
+        machine, then, complete = _read(cache)
         assert dispatch_s is not None
-        if not _complete(cache):
+        if not complete:
             print(f"{cache}: written by an earlier version (no wake-up fee): measuring this machine's costs again",
                   file=sys.stderr)  # fmt: skip
         elif not stale(then, dispatch_s):
