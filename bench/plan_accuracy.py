@@ -188,19 +188,18 @@ def repeat(args: argparse.Namespace) -> str:
             + markdown_table(["pass", "mode", "measured samples/s", "us per torch call before / after"], rows))
 
 
-def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, machine: Path | None = None) -> float:
+def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, costs: Any = None) -> float:
     """The current simulator's prediction of ``row``'s job at its knobs, with ``background`` threads of
-    other work (0: had the machine had no other work), at the costs it was planned with (or ``machine``'s)."""
+    other work (0: had the machine had no other work), at the costs it was planned with (or ``costs``,
+    a ``Machine``)."""
     from tandem.planner.measure import load
     from tandem.planner.profile import Profile
     from tandem.planner.search import parse_rate
     from tandem.planner.sim import Cluster, Machine, Strategy, simulate
 
-    if machine is not None:
-        recorded = load(machine)
-    else:
-        recorded = Machine(**row["machine"]) if "machine" in row else load(out / "machine.json")  # as it was planned
-    machine = dataclasses.replace(recorded, background=background)
+    if costs is None:
+        costs = Machine(**row["machine"]) if "machine" in row else load(out / "machine.json")  # as it was planned
+    machine = dataclasses.replace(costs, background=background)
     knobs = re.match(r"(?:p3|collective) \((\d+)k, wm (\d+)\)", row["label"])
     strategy = Strategy(row["mode"], int(knobs[1]) * 1000, int(knobs[2])) if knobs else Strategy(row["mode"])
     cluster = Cluster(row["workers"], row["servers"], parse_rate(UNSHAPED if row["rate"] == "none" else row["rate"]),
@@ -214,12 +213,12 @@ def _stats(errors: list[float]) -> list[str]:
     return [f"{statistics.median(absolute):.0%}", f"{max(absolute):.0%}"]
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> str:
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, costs: Any = None) -> str:
     order = {m: i for i, m in enumerate(MODES)}
     rows = sorted(rows, key=lambda r: (r["model"], r["workers"], r["servers"], args.rates.index(r["rate"])
                                        if r["rate"] in args.rates else 9, order[r["mode"]]))  # fmt: skip
     errors = [r["predicted"] / r["measured"] - 1 for r in rows]
-    quiets = [resimulate(r, out, machine=args.machine) for r in rows]
+    quiets = [resimulate(r, out, costs=costs) for r in rows]
     quiet_errors = [q / r["measured"] - 1 for r, q in zip(rows, quiets)]
     table = markdown_table(["model", "workers + servers", "link", "mode", "predicted samples/s", "measured",
                             "error", "other threads before / after", "predicted, no other work", "its error"],
@@ -302,16 +301,17 @@ def main() -> None:
         text = sweep(args, out)
         print(f"\n{text}\n\nwritten {write_report('plan_sweep', text)}\nreproduce: {command_line()}")
         return
+    from tandem.planner.measure import load
+
+    costs = None if args.machine is None else load(args.machine)  # --repredict --machine: every job at these
     if args.report_only:
         rows = [json.loads(line) for line in (out / "jobs.jsonl").read_text().splitlines()]
         if args.repredict:
-            rows = [{**row, "predicted": resimulate(row, out, row["background"], args.machine)} for row in rows]
+            rows = [{**row, "predicted": resimulate(row, out, row["background"], costs)} for row in rows]
     else:
         rows = run_grid(args, out)
-    from tandem.planner.measure import load
-
-    machine = load(args.machine or out / "machine.json")
-    text = report(rows, args, out)
+    machine = costs or load(out / "machine.json")
+    text = report(rows, args, out, costs)
     note = (f"`tandem plan` predicted vs measured samples/s on this machine ({machine.describe()}); error = "
             f"predicted / measured - 1; other threads: runnable threads of other work on the machine in the 2 s "
             f"before the job (the plan's Machine.background) and after it")  # fmt: skip
