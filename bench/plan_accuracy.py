@@ -114,15 +114,16 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                         print(f"{key}: failed: {str(error)[-500:]}", flush=True)
                         continue
                     row = {"model": model, "workers": workers, "servers": servers, "rate": rate, "mode": mode,
-                           "machine": costs,
-                           "label": strategy.label, "predicted": predicted.samples_per_s, "measured": measured,
+                           "machine": costs, "label": strategy.label, "predicted": predicted.samples_per_s,
+                           "measured": measured.samples_per_s, "worker_cpu": measured.worker_cpu_s,
+                           "server_cpu": measured.server_cpu_s, "worker_threads": measured.worker_threads,
                            "seconds": time.time() - start, "load_before": load, "load_after": os.getloadavg()[0],
                            "background": background, "background_after": background_threads()}  # fmt: skip
                     done[key] = row
                     with log.open("a") as f:
                         f.write(json.dumps(row) + "\n")
-                    print(f"{key}: {strategy.label} predicted {row['predicted']:.1f} measured {measured:.1f} "
-                          f"({row['predicted'] / measured:.2f}) in {row['seconds']:.0f} s, background {background:.1f} "
+                    print(f"{key}: {strategy.label} predicted {row['predicted']:.1f} measured {row['measured']:.1f} "
+                          f"({row['predicted'] / row['measured']:.2f}) in {row['seconds']:.0f} s, background {background:.1f} "
                           f"-> {row['background_after']:.1f}",
                           flush=True)  # fmt: skip
     return list(done.values())
@@ -150,7 +151,7 @@ def sweep(args: argparse.Namespace, out: Path) -> str:
     for size, mark in [knobs, *(p for p in points if p != knobs)]:
         env = {"TANDEM_KVSTORE_SLICE_THRESHOLD": str(size), "TANDEM_PS_WATER_MARK": str(mark)}
         measured = measure(Job(entry_name, config, batch_size, "p3", runs=args.runs, steps=args.steps), workers,
-                           servers, rate, env)  # fmt: skip
+                           servers, rate, env).samples_per_s  # fmt: skip
         best = max(best, measured)
         rows.append([size, mark, "recommended" if (size, mark) == knobs else "", measured])
         print(rows[-1], flush=True)
@@ -176,7 +177,7 @@ def repeat(args: argparse.Namespace) -> str:
         for mode in PS_MODES:  # the --sweep-config's servers: the parameter-server modes
             before = dispatch_seconds()
             measured = measure(Job(entry_name, config, batch_size, mode, runs=args.runs, steps=args.steps), workers,
-                               servers, rate, env.get(mode, {}))  # fmt: skip
+                               servers, rate, env.get(mode, {})).samples_per_s  # fmt: skip
             after = dispatch_seconds()
             found[mode].append(measured)
             rows.append([number + 1, mode, f"{measured:.1f}", f"{before * 1e6:.2f} / {after * 1e6:.2f}"])
@@ -188,7 +189,7 @@ def repeat(args: argparse.Namespace) -> str:
             + markdown_table(["pass", "mode", "measured samples/s", "us per torch call before / after"], rows))
 
 
-def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, costs: Any = None) -> float:
+def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, costs: Any = None) -> Any:
     """The current simulator's prediction of ``row``'s job at its knobs, with ``background`` threads of
     other work (0: had the machine had no other work), at the costs it was planned with (or ``costs``,
     a ``Machine``)."""
@@ -205,7 +206,7 @@ def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, costs: A
     cluster = Cluster(row["workers"], row["servers"], parse_rate(UNSHAPED if row["rate"] == "none" else row["rate"]),
                       machine=machine)  # fmt: skip
     workload = Profile.load(out / f"profile_{row['model']}.json").workload()
-    return simulate(workload, cluster, strategy).samples_per_s
+    return simulate(workload, cluster, strategy)
 
 
 def _stats(errors: list[float]) -> list[str]:
@@ -218,7 +219,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, cost
     rows = sorted(rows, key=lambda r: (r["model"], r["workers"], r["servers"], args.rates.index(r["rate"])
                                        if r["rate"] in args.rates else 9, order[r["mode"]]))  # fmt: skip
     errors = [r["predicted"] / r["measured"] - 1 for r in rows]
-    quiets = [resimulate(r, out, costs=costs) for r in rows]
+    quiets = [resimulate(r, out, costs=costs).samples_per_s for r in rows]
     quiet_errors = [q / r["measured"] - 1 for r, q in zip(rows, quiets)]
     table = markdown_table(["model", "workers + servers", "link", "mode", "predicted samples/s", "measured",
                             "error", "other threads before / after", "predicted, no other work", "its error"],
@@ -232,7 +233,33 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, cost
     summary = [[name, len(index), *_stats([errors[i] for i in index]), *_stats([quiet_errors[i] for i in index])]
                for name, index in groups if index]  # fmt: skip
     return (markdown_table(["cases", "jobs", "median abs. error", "worst abs. error", "median, no other work",
-                            "worst, no other work"], summary) + "\n\n" + table)  # fmt: skip
+                            "worst, no other work"], summary) + "\n\n" + table + cpu_table(rows, out, costs))  # fmt: skip
+
+
+def cpu_table(rows: list[dict[str, Any]], out: Path, costs: Any = None) -> str:
+    """Per job that recorded it, the CPU one worker and one server spent per step against what the
+    simulator charges them (at the job's knobs and other work): where a samples/s error comes from."""
+    rows = [r for r in rows if "worker_cpu" in r]
+    if not rows:
+        return ""
+    found = [resimulate(r, out, r["background"], costs) for r in rows]
+
+    def pair(predicted: float, measured: float | None) -> list[Any]:
+        return ["-", "-"] if measured is None or not predicted else [f"{predicted * 1e3:.1f} / {measured * 1e3:.1f}",
+                                                                     f"{predicted / measured - 1:+.0%}"]  # fmt: skip
+
+    def threads(row: dict[str, Any]) -> str:  # a worker's threads that spent at least 0.1 ms per step
+        spent = sorted(row.get("worker_threads", {}).items(), key=lambda item: -item[1])
+        return ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in spent if seconds >= 1e-4)
+
+    table = markdown_table(["model", "workers + servers", "link", "mode", "profiled compute ms",
+                            "worker CPU ms/step, predicted / measured", "error", "server CPU ms/step", "error",
+                            "a worker's threads, ms/step"],
+                           [[r["model"], f"{r['workers']} + {r['servers']}", r["rate"], r["label"],
+                             f"{p.compute_s * 1e3:.1f}", *pair(p.worker_cpu_s, r["worker_cpu"]),
+                             *pair(p.server_cpu_s, r["server_cpu"]), threads(r)] for r, p in zip(rows, found)])  # fmt: skip
+    return ("\n\nCPU per step (all threads of a process; worker: mean over the workers, server: over the servers; "
+            "median over the runs) against the simulator's charge:\n\n" + table)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -307,7 +334,7 @@ def main() -> None:
     if args.report_only:
         rows = [json.loads(line) for line in (out / "jobs.jsonl").read_text().splitlines()]
         if args.repredict:
-            rows = [{**row, "predicted": resimulate(row, out, row["background"], costs)} for row in rows]
+            rows = [{**row, "predicted": resimulate(row, out, row["background"], costs).samples_per_s} for row in rows]
     else:
         rows = run_grid(args, out)
     machine = costs or load(out / "machine.json")

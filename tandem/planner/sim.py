@@ -245,6 +245,8 @@ class Prediction:
     sends: list[tuple[float, int, int]] = field(default_factory=list, repr=False)  # worker 0: (time, param, slice)
     notices: int = 0  # RECEIVED notices worker 0 received over the whole simulation (p3)
     replies: list[tuple[float, int, int]] = field(default_factory=list, repr=False)  # worker 0: (time, param, slice)
+    worker_cpu_s: float = 0.0  # CPU seconds one worker is charged per iteration (compute + communication; mean)
+    server_cpu_s: float = 0.0  # CPU seconds one server is charged per iteration (mean; 0 without servers)
 
     def row(self) -> dict[str, float | str]:
         return {"mode": self.strategy.label, "samples/s": self.samples_per_s, "ms/iter": self.iteration_s * 1e3,
@@ -340,12 +342,13 @@ class Resource:
 
     ``put(seconds, done, priority, started)``: ``started`` runs when the job begins, ``done`` when it ends.
     ``wake(idle_seconds)``: extra seconds for a job that finds the resource idle (a thread's wake-up
-    fee, ``Machine.wake_s``); a job queued behind another pays none.
+    fee, ``Machine.wake_s``); a job queued behind another pays none. ``charged``: the seconds put on
+    ``cpu`` so far, fees included.
     """
 
     def __init__(self, events: Events, cpu: CPU, wake: Callable[[float], float] | None = None) -> None:
         self.events, self.cpu, self.wake = events, cpu, wake
-        self.busy = False
+        self.busy, self.charged = False, 0.0
         self.idle_since = -INF  # never busy yet: a first job pays the longest wake-up
         self._queue: list[tuple[float, int, float, Callable[[], None], Callable[[], None] | None]] = []
         self._order = 0
@@ -365,6 +368,7 @@ class Resource:
         self.busy = True
         if woken and self.wake is not None:
             seconds += self.wake(self.events.now - self.idle_since)
+        self.charged += seconds
         if started is not None:
             started()
         self.cpu.run(seconds, partial(self._finish, done))
@@ -779,6 +783,9 @@ class _PSSim:
         exposed = sum(_overlap(a, b, links) for a, b in waits) / measured
         found = _prediction(self.w, self.c, self.s, iteration_s, exposed, waited - exposed, self.sends, self.notices)
         found.replies = self.replies
+        per_worker = self.iterations * self.c.workers  # every iteration moves every gradient once, so totals divide
+        found.worker_cpu_s = self.w.compute_s + sum(t.charged for t in self.sender + self.receiver) / per_worker
+        found.server_cpu_s = sum(t.charged for t in self.server_cpu) / (self.iterations * self.c.servers)
         return found
 
 
@@ -898,6 +905,7 @@ class _CollectiveSim:
         self.loop = _ComputeLoop(workload, self.events, self.cpu, iterations, self.segment_done)
         self.backward_end: list[float] = []
         self.sends: list[tuple[float, int, int]] = []
+        self.charged = 0.0  # CPU seconds of this worker's collectives
 
     def collective(self, nbytes: float, done: Callable[[], None], gather: bool = False) -> None:
         """An all-reduce of ``nbytes`` (``gather``: an all-gather of each worker's ``nbytes``): ``done``
@@ -914,6 +922,7 @@ class _CollectiveSim:
                 done()
 
         self.events.at(self.events.now + seconds, part)
+        self.charged += cpu_s
         self.cpu.run(cpu_s, part)
 
     def segment_done(self, iteration: int, index: int) -> None:
@@ -985,4 +994,6 @@ class _CollectiveSim:
         self.events.run()
         iteration_s, measured, waits = _steady_state(self.backward_end, self.loop.waits)
         waited = sum(b - a for a, b in waits) / measured
-        return _prediction(self.w, self.c, self.s, iteration_s, waited, 0.0, self.sends)
+        found = _prediction(self.w, self.c, self.s, iteration_s, waited, 0.0, self.sends)
+        found.worker_cpu_s = self.w.compute_s + self.charged / self.iterations
+        return found

@@ -69,10 +69,12 @@ def test_links_carry_tcp_ip_framing() -> None:
 
 def test_cpu_per_message_and_per_byte() -> None:
     """A pushpull costs message_s four times (send, server receive, server reply, receive); the server
-    sums the push (bytes / rate) and passes over the sum once more to finish the round."""
+    sums the push (bytes / rate) and passes over the sum once more to finish the round. The worker is
+    charged its compute and two messages per iteration, the server two messages and both passes."""
     cluster = at_whole_rate(1, 1, RATE, latency_s=0.0, machine=dataclasses.replace(NO_COST, message_s=0.001, server_message_s=0.001, aggregate_Bps=4e7))
     result = simulate(one_gradient(), cluster, Strategy("overlap"))
     assert result.iteration_s == pytest.approx(1.5 + 2.0 + 4 * 0.001 + 2 * 0.1)
+    assert (result.worker_cpu_s, result.server_cpu_s) == pytest.approx((1.5 + 2 * 0.001, 2 * 0.001 + 2 * 0.1))
 
 
 def test_baseline_waits_for_everything_overlap_starts_during_backward() -> None:
@@ -217,6 +219,8 @@ def test_collective_one_gradient_by_hand() -> None:
     result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7))
     assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(0, cluster) + allreduce_seconds(4_000_000, cluster))
     assert result.exposed_s == pytest.approx(result.iteration_s - 1.5)
+    # two collectives (the round, the all-reduce), each 2 (W-1) ring steps of a send and a receive
+    assert (result.worker_cpu_s, result.server_cpu_s) == pytest.approx((1.5 + 2 * 2 * 2 * 0.001, 0.0))
 
 
 def test_collective_slices_overtake_by_priority_under_the_water_mark() -> None:
@@ -424,6 +428,7 @@ def test_a_thread_woken_from_idle_pays_the_fee_a_queued_job_does_not() -> None:
         events.at(start, lambda: thread.put(1.0, lambda: ends.append(events.now)))
     events.run()
     assert ends == pytest.approx([1.5, 2.5, 4.1, 7.5])
+    assert thread.charged == pytest.approx(4 * 1.0 + 0.5 + 0.1 + 0.5)  # the CPU charged counts the fees
 
 
 def test_a_job_put_as_the_last_one_ends_pays_no_fee() -> None:
@@ -443,3 +448,4 @@ def test_each_message_that_wakes_a_thread_pays_the_fee() -> None:
     machine = dataclasses.replace(NO_COST, wake=((1e-3, 0.01, 0.02),))
     result = simulate(one_gradient(), at_whole_rate(1, 1, RATE, latency_s=0.0, machine=machine), Strategy("overlap"))
     assert result.iteration_s == pytest.approx(1.5 + 2.0 + 2 * 0.01 + 0.02)
+    assert (result.worker_cpu_s, result.server_cpu_s) == pytest.approx((1.5 + 2 * 0.01, 0.02))
