@@ -10,8 +10,11 @@ steps, the slowest worker's) and compare samples/s. Models and batches are bench
 planned as 100 Gbit/s links: the per-byte CPU is the limit there).
 
 The constants come from ``measure.py`` and the profile alone; nothing here is fitted to the measured
-runs. Each measured job is appended to ``OUT/jobs.jsonl`` as it ends (with the load average around
-it), so a stopped run resumes, and the table is written from whatever has been measured.
+runs. This machine's speed drifts by tens of percent over minutes (it is shared), so just before each
+job the profiled step's segments are timed again (``segment_seconds``, as the profile timed them) and
+the plan is made at that speed: ``compute_scale`` = now / when profiled, the same for every segment.
+Each measured job is appended to ``OUT/jobs.jsonl`` as it ends (with the load average around it), so a
+stopped run resumes, and the table is written from whatever has been measured.
 
 Reproduce: python bench/plan_accuracy.py   (options: --models, --configs 2x2 2x1 3x2 3x1 2x0 3x0, --rates, --runs;
 --sweep: the recommendation against a p3 knob sweep; --repeat N: one configuration's jobs N times, their spread)
@@ -64,6 +67,34 @@ def _profile(model: str, cache: Path) -> Any:
     return found
 
 
+_STEPS: dict[str, tuple[Any, Any]] = {}  # model -> (its compiled step, its batch), built once
+
+
+def compute_now(model: str, runs: int = 20) -> float:
+    """Seconds of the model's step (bench/p3.py's model and batch) on one thread now: its segments timed as
+    ``profile`` times them."""
+    import torch
+
+    from tandem.models import ZOO
+    from tandem.planner.profile import segment_seconds
+    from tandem.step import compile as compile_step
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if model not in _STEPS:
+            entry_name, config, batch_size = MODELS[model]
+            entry = ZOO[entry_name]
+            torch.manual_seed(0)
+            batch = entry.make_batch(batch_size, torch.Generator().manual_seed(1), **config)
+            step = compile_step(entry.build(**config), entry.loss_fn, *batch)
+            step(*batch)  # capture and plan
+            _STEPS[model] = (step, batch)
+        return sum(segment_seconds(*_STEPS[model], runs=runs, warmup=1))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _key(model: str, workers: int, servers: int, rate: str, mode: str) -> str:
     return f"{model} {workers}x{servers} {rate} {mode}"
 
@@ -99,10 +130,11 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                     if key in done:
                         continue
                     background = background_threads()  # other work on the machine, just before the job
+                    scale = compute_now(model) / found.compute_s  # the machine's speed now against the profile's
                     target = Target(workers, servers, UNSHAPED if rate == "none" else rate, modes=modes,
                                     compressions=(), machine=dataclasses.replace(machine, background=background),
                                     sweep=False)  # fmt: skip
-                    predicted = search(found, target).prediction(mode)
+                    predicted = search(found.scaled(scale), target).prediction(mode)
                     assert predicted is not None
                     strategy = predicted.strategy
                     env = knob_env(strategy)
@@ -117,6 +149,7 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                            "machine": costs, "label": strategy.label, "predicted": predicted.samples_per_s,
                            "measured": measured.samples_per_s, "worker_cpu": measured.worker_cpu_s,
                            "server_cpu": measured.server_cpu_s, "worker_threads": measured.worker_threads,
+                           "compute_scale": scale,
                            "seconds": time.time() - start, "load_before": load, "load_after": os.getloadavg()[0],
                            "background": background, "background_after": background_threads()}  # fmt: skip
                     done[key] = row
@@ -124,7 +157,7 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                         f.write(json.dumps(row) + "\n")
                     print(f"{key}: {strategy.label} predicted {row['predicted']:.1f} measured {row['measured']:.1f} "
                           f"({row['predicted'] / row['measured']:.2f}) in {row['seconds']:.0f} s, background {background:.1f} "
-                          f"-> {row['background_after']:.1f}",
+                          f"-> {row['background_after']:.1f}, compute x{scale:.2f} of the profile's",
                           flush=True)  # fmt: skip
     return list(done.values())
 
@@ -189,10 +222,11 @@ def repeat(args: argparse.Namespace) -> str:
             + markdown_table(["pass", "mode", "measured samples/s", "us per torch call before / after"], rows))
 
 
-def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, costs: Any = None) -> Any:
+def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, costs: Any = None,
+               scale: float | None = None) -> Any:  # fmt: skip
     """The current simulator's prediction of ``row``'s job at its knobs, with ``background`` threads of
     other work (0: had the machine had no other work), at the costs it was planned with (or ``costs``,
-    a ``Machine``)."""
+    a ``Machine``) and the compute speed measured before it (or the profile's times ``scale``)."""
     from tandem.planner.measure import load
     from tandem.planner.profile import Profile
     from tandem.planner.search import parse_rate
@@ -205,7 +239,8 @@ def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, costs: A
     strategy = Strategy(row["mode"], int(knobs[1]) * 1000, int(knobs[2])) if knobs else Strategy(row["mode"])
     cluster = Cluster(row["workers"], row["servers"], parse_rate(UNSHAPED if row["rate"] == "none" else row["rate"]),
                       machine=machine)  # fmt: skip
-    workload = Profile.load(out / f"profile_{row['model']}.json").workload()
+    scale = row.get("compute_scale", 1.0) if scale is None else scale
+    workload = Profile.load(out / f"profile_{row['model']}.json").scaled(scale).workload()
     return simulate(workload, cluster, strategy)
 
 
@@ -221,6 +256,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, cost
     errors = [r["predicted"] / r["measured"] - 1 for r in rows]
     quiets = [resimulate(r, out, costs=costs).samples_per_s for r in rows]
     quiet_errors = [q / r["measured"] - 1 for r, q in zip(rows, quiets)]
+    stale = [resimulate(r, out, r["background"], costs, scale=1.0).samples_per_s / r["measured"] - 1 for r in rows]
     table = markdown_table(["model", "workers + servers", "link", "mode", "predicted samples/s", "measured",
                             "error", "other threads before / after", "predicted, no other work", "its error"],
                            [[r["model"], f"{r['workers']} + {r['servers']}", r["rate"], r["label"], r["predicted"],
@@ -230,10 +266,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, cost
     groups += [(f"{m} (all modes)", [i for i, r in enumerate(rows) if r["model"] == m]) for m in MODELS]
     groups += [(f"at {rate}", [i for i, r in enumerate(rows) if r["rate"] == rate]) for rate in args.rates]
     groups.append(("all", list(range(len(rows)))))
-    summary = [[name, len(index), *_stats([errors[i] for i in index]), *_stats([quiet_errors[i] for i in index])]
-               for name, index in groups if index]  # fmt: skip
+    summary = [[name, len(index), *_stats([errors[i] for i in index]), *_stats([quiet_errors[i] for i in index]),
+                *_stats([stale[i] for i in index])] for name, index in groups if index]  # fmt: skip
     return (markdown_table(["cases", "jobs", "median abs. error", "worst abs. error", "median, no other work",
-                            "worst, no other work"], summary) + "\n\n" + table + cpu_table(rows, out, costs))  # fmt: skip
+                            "worst, no other work", "median, at the profile's speed", "worst, at the profile's speed"],
+                           summary) + "\n\n" + table + cpu_table(rows, out, costs))  # fmt: skip
 
 
 def cpu_table(rows: list[dict[str, Any]], out: Path, costs: Any = None) -> str:

@@ -14,7 +14,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,10 @@ class Profile:
     def compute_s(self) -> float:
         return sum(s.seconds for s in self.segments)
 
+    def scaled(self, factor: float) -> Profile:
+        """This profile with every segment ``factor`` times as long (the machine's speed moved since)."""
+        return replace(self, segments=tuple(replace(s, seconds=s.seconds * factor) for s in self.segments))
+
     @property
     def total_bytes(self) -> int:
         return sum(nbytes for _, _, nbytes in self.parameters)
@@ -109,6 +113,30 @@ class Profile:
             raise ProfileMismatch("the saved profile does not fit: " + "; ".join(differs) + " (profile again)")
 
 
+def segment_seconds(step: Any, batch: Sequence[Any], runs: int = 5, warmup: int = 2) -> list[float]:
+    """Median seconds of each segment of a compiled step (``tandem.compile``, run once) over ``runs`` runs
+    on this thread, after ``warmup``, at this thread's torch threads."""
+    from tandem.graph.batch import BatchLayout
+
+    executor, graph = step.executor, step.graph
+    _, tensors = BatchLayout.of(batch)
+    inputs = graph.inputs(step.module, tensors)
+    seconds: list[list[float]] = [[] for _ in executor.segments]
+    # on the CPU, this thread's CPU time: the segment's work, not the time other processes preempted it
+    # (the simulator shares the cores itself); an accelerator's kernels run elsewhere: wall time
+    on_cpu = all(t.device.type == "cpu" for t in (*step.module.parameters(), *tensors))
+    clock = time.thread_time if on_cpu else time.perf_counter
+    with torch.no_grad():  # the engine's threads run segments so, too
+        for run in range(warmup + runs):
+            slots = executor.new_slots(inputs)
+            for i, segment in enumerate(executor.segments):
+                start = clock()
+                segment.function(slots)
+                if run >= warmup:
+                    seconds[i].append(clock() - start)
+    return [statistics.median(t) for t in seconds]
+
+
 def describe(module: nn.Module, batch: Sequence[Any]) -> tuple[tuple[tuple[str, int, int], ...], tuple[tuple[int, ...], ...], str]:
     """(parameters as (name, elements, bytes), batch tensor shapes, fingerprint) of a module and batch."""
     from tandem.graph.batch import BatchLayout
@@ -127,7 +155,6 @@ def profile(module: nn.Module, loss_fn: Any, batch: Sequence[Any], model: str = 
     segment over ``runs`` runs on this thread (after ``warmup``); ``threads``: torch threads meanwhile
     (1: as each process of a local job runs; None: leave as is)."""
     from tandem import __version__
-    from tandem.graph.batch import BatchLayout
     from tandem.step import compile as compile_step
 
     if runs < 1:
@@ -138,29 +165,15 @@ def profile(module: nn.Module, loss_fn: Any, batch: Sequence[Any], model: str = 
     try:
         step = compile_step(module, loss_fn, *batch, **options)
         step(*batch)  # capture, plan, the measured first run
-        executor, graph = step.executor, step.graph
-        _, tensors = BatchLayout.of(batch)
-        inputs = graph.inputs(module, tensors)
-        seconds: list[list[float]] = [[] for _ in executor.segments]
-        # on the CPU, this thread's CPU time: the segment's work, not the time other processes preempted it
-        # (the simulator shares the cores itself); an accelerator's kernels run elsewhere: wall time
-        on_cpu = all(t.device.type == "cpu" for t in (*module.parameters(), *tensors))
-        clock = time.thread_time if on_cpu else time.perf_counter
-        with torch.no_grad():  # the engine's threads run segments so, too
-            for run in range(warmup + runs):
-                slots = executor.new_slots(inputs)
-                for i, segment in enumerate(executor.segments):
-                    start = clock()
-                    segment.function(slots)
-                    if run >= warmup:
-                        seconds[i].append(clock() - start)
+        seconds = segment_seconds(step, batch, runs, warmup)
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous)
+    executor, graph = step.executor, step.graph
     sent = list(graph.grads)  # what a distributed update sends, forward order (tied: the first name)
     parameters, shapes, digest = describe(module, batch)
     sizes = {name: (numel, nbytes) for name, numel, nbytes in parameters}
-    segments = tuple(SegmentProfile(str(s.phase), statistics.median(t), tuple(n for n in s.parameters if n in sizes),
+    segments = tuple(SegmentProfile(str(s.phase), t, tuple(n for n in s.parameters if n in sizes),
                                     tuple(s.gradients)) for s, t in zip(executor.segments, seconds))  # fmt: skip
     return Profile(model=model, version=__version__, fingerprint=digest, batch_size=int(shapes[0][0]) if shapes and shapes[0] else 1,
                    parameters=tuple((n, *sizes[n]) for n in sent), batch_shapes=shapes, segments=segments,

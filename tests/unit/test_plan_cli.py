@@ -39,6 +39,16 @@ def test_plan_profiles_reports_and_plots(profiled: Path, capsys: pytest.CaptureF
         assert text in output
 
 
+def test_a_scaled_profile_keeps_its_layout(profiled: Path) -> None:
+    """A machine twice as slow: every segment twice as long, nothing else changed."""
+    profile = Profile.load(profiled)
+    slower = profile.scaled(2.0)
+    assert [s.seconds for s in slower.segments] == pytest.approx([2 * s.seconds for s in profile.segments])
+    assert slower.compute_s == pytest.approx(2 * profile.compute_s)
+    assert (slower.parameters, slower.fingerprint, slower.batch_shapes) == (profile.parameters, profile.fingerprint,
+                                                                            profile.batch_shapes)  # fmt: skip
+
+
 def test_a_profile_of_another_model_or_version_is_refused(profiled: Path, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"model: the profile is of 'mlp', not 'resnet'.*parameters differ"):
         main(["plan", "--model", "resnet", "--profile", str(profiled), "--out", str(tmp_path)])
