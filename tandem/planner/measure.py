@@ -3,13 +3,15 @@
 CPU costs are measured as CPU time (``time.process_time`` here, the server's threads' run time from
 ``/proc``), not wall time, so a busy machine slows the measurement but hardly changes its result.
 ``message_costs``: a real ``dist_sync`` server process on loopback and this process as its only
-worker, pushpulls of 4 elements and of ``large`` elements, run as a ``tandem launch`` job runs them:
-every message authenticated (a per-job secret, launch's default) and the update on the server
-(SGD with momentum, what the validated jobs run: its replies are copies). A pushpull is one
-request and one reply, so the worker's CPU per pushpull is ``2 (message_s + bytes byte_s)`` and the
-server's ``2 (server_message_s + bytes server_byte_s)`` plus the two passes over the bytes the
-simulator charges as summing (the push, the round's update); the update's fixed cost per slot goes
-into ``server_message_s``, so the simulator charges it per request rather than once per round.
+worker, pushpulls of 4 elements, of ``large`` elements and of ``entries`` keys of 4 elements in one
+call, run as a ``tandem launch`` job runs them: every message authenticated (a per-job secret,
+launch's default) and the update on the server (SGD with momentum, what the validated jobs run: its
+replies are copies). A pushpull of one key is one request and one reply, so the worker's CPU per
+pushpull is ``2 (message_s + entry_s + bytes byte_s)`` and the server's ``2 (server_message_s +
+server_entry_s + bytes server_byte_s)`` plus the two passes over the bytes the simulator charges as
+summing (the push, the round's update); n keys in one call share one message each way, which
+separates the per-request part (``entry_s``) from the message's. The update's fixed cost per slot
+goes into ``server_entry_s``, so the simulator charges it per request rather than once per round.
 Those are the costs of messages back to back; a message after an idle gap costs more (``wake``, at
 0.2-20 ms gaps: in a job a thread mostly waits, or computes, between messages).
 ``aggregate_bytes_per_s``: float32 bytes a server adds per second (``a.add_(b)`` on 64 MB arrays,
@@ -50,13 +52,17 @@ WAKE_SECONDS = 0.3  # of idling per gap and repeat (fewer trips at the longer ga
 
 
 def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int = 60, repeats: int = 5,
-                  authenticated: bool = True, wake_gaps: tuple[float, ...] = WAKE_GAPS) -> dict[str, Any]:  # fmt: skip
+                  authenticated: bool = True, wake_gaps: tuple[float, ...] = WAKE_GAPS,
+                  entries: int = 32) -> dict[str, Any]:  # fmt: skip
     """message_s, byte_s, server_message_s, server_byte_s: CPU per message and per byte, worker and
-    server, of messages back to back; ``wake``: the extra CPU of a message after an idle gap.
+    server, of messages back to back; entry_s, server_entry_s: CPU per request a message carries;
+    ``wake``: the extra CPU of a message after an idle gap.
 
     ``authenticated``: with a secret, as ``tandem launch`` runs a job unless told ``--no-secret``
-    (whole-message tags cost CPU per byte on both ends). ``wake``: small pushpulls with the worker
-    sleeping each of ``wake_gaps`` before each trip (``wake_points``)."""
+    (whole-message tags cost CPU per byte on both ends). ``entries``: small keys pushpulled in one
+    call, so one message each way carries them all (the client's grouping, the server's held
+    replies): what a request costs beyond the first of its message. ``wake``: small pushpulls with
+    the worker sleeping each of ``wake_gaps`` before each trip (``wake_points``)."""
     import torch
     import torch.distributed as dist
 
@@ -80,23 +86,28 @@ def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int 
         sizes = ((4, small_trips), (large, large_trips))
         for numel, _ in sizes:
             kv.init(f"probe{numel}", torch.zeros(numel))
+        many = [f"entry{i}" for i in range(entries)]
+        kv.init(many, [torch.zeros(4) for _ in many])
         kv.set_optimizer(optim.SGD(lr=1e-6, momentum=0.9))  # the server updates and replies with a copy, as in a job
-        buffers = {numel: (torch.ones(numel), torch.empty(numel)) for numel, _ in sizes}
-        for numel, trips in sizes:  # warm up, once
+        buffers = {numel: ([f"probe{numel}"], [torch.ones(numel)], [torch.empty(numel)]) for numel, _ in sizes}
+        buffers[-entries] = (many, [torch.ones(4) for _ in many], [torch.empty(4) for _ in many])  # -n: n keys of 4
+        grouped_trips = max(5, small_trips // 4)
+        for numel, trips in (*sizes, (-entries, grouped_trips)):  # warm up, once
             for _ in range(trips // 10):
-                kv.pushpull(f"probe{numel}", buffers[numel][0], out=buffers[numel][1]).wait()
-        # (numel, idle seconds before each trip, trips): back to back for both sizes, then small ones after gaps
-        runs = [(numel, 0.0, trips) for numel, trips in sizes]
+                kv.pushpull(*buffers[numel][:2], out=buffers[numel][2]).wait()
+        # (numel, idle seconds before each trip, trips): back to back for both sizes and the grouped keys,
+        # then small ones after gaps
+        runs = [(numel, 0.0, trips) for numel, trips in sizes] + [(-entries, 0.0, grouped_trips)]
         runs += [(4, gap, max(5, min(small_trips, round(WAKE_SECONDS / gap)))) for gap in wake_gaps]
         samples: dict[tuple[int, float], list[tuple[float, float, float]]] = {(n, gap): [] for n, gap, _ in runs}
         for _ in range(repeats):  # interleaved, the median of each: one disturbed pass does not decide
             for numel, gap, trips in runs:
-                value, out = buffers[numel]
+                keys, value, out = buffers[numel]
                 wall, worker, served = time.perf_counter(), time.process_time(), _thread_seconds(server.pid)
                 for _ in range(trips):
                     if gap:
                         time.sleep(gap)
-                    kv.pushpull(f"probe{numel}", value, out=out).wait()
+                    kv.pushpull(keys, value, out=out).wait()
                 samples[numel, gap].append(((time.perf_counter() - wall) / trips,
                                             (time.process_time() - worker) / trips,
                                             (_thread_seconds(server.pid) - served) / trips))  # fmt: skip
@@ -110,9 +121,14 @@ def message_costs(large: int = 2**18, small_trips: int = 1000, large_trips: int 
             server.wait()
     extra = (large - 4) * 4  # bytes more per message
     (_, worker_small, server_small), (_, worker_large, server_large) = per_trip[4, 0.0], per_trip[large, 0.0]
+    (_, worker_many, server_many) = per_trip[-entries, 0.0]
     summing = 2 * extra / aggregate_bytes_per_s()  # what the simulator charges a server as summing
-    return {"message_s": worker_small / 2, "byte_s": max(0.0, (worker_large - worker_small) / (2 * extra)),
-            "server_message_s": server_small / 2,
+    # a trip is a request and a reply: 2 (message + entry) alone, 2 (message + n entry) grouped
+    entry_s = max(0.0, (worker_many - worker_small) / (2 * (entries - 1)))
+    server_entry_s = max(0.0, (server_many - server_small) / (2 * (entries - 1)))
+    return {"message_s": max(0.0, worker_small / 2 - entry_s), "entry_s": entry_s,
+            "byte_s": max(0.0, (worker_large - worker_small) / (2 * extra)),
+            "server_message_s": max(0.0, server_small / 2 - server_entry_s), "server_entry_s": server_entry_s,
             "server_byte_s": max(0.0, (server_large - server_small - summing) / (2 * extra)),
             "wake": wake_points(per_trip[4, 0.0], [per_trip[4, gap] for gap in wake_gaps])}  # fmt: skip
 
@@ -210,12 +226,15 @@ def save(machine: Machine, path: str | Path, dispatch_s: float | None = None) ->
     return path
 
 
-def _read(path: str | Path) -> tuple[Machine, float | None, bool]:
-    """The cached machine, the per-op speed it was measured at, and whether it holds every cost this
-    version measures (earlier ones lacked the wake-up fee)."""
+MEASURED_SINCE = ("wake", "entry_s", "server_entry_s")  # costs earlier versions did not measure
+
+
+def _read(path: str | Path) -> tuple[Machine, float | None, list[str]]:
+    """The cached machine, the per-op speed it was measured at, and the costs this version measures
+    that it lacks (a cache of an earlier version)."""
     found = json.loads(Path(path).read_text())
     dispatch_s = found.pop("dispatch_s", None)
-    return Machine(**found), dispatch_s, "wake" in found
+    return Machine(**found), dispatch_s, [name for name in MEASURED_SINCE if name not in found]
 
 
 def load(path: str | Path) -> Machine:
@@ -237,16 +256,16 @@ def this_machine(cache: str | Path | None = None, refresh: bool = False, dispatc
     """This machine, every process on it: read from ``cache`` if there (and not ``refresh``), else measured
     (about 15 s) and saved there. A cache is measured again when this machine's per-op speed
     (``dispatch_s``: ``dispatch_seconds()`` unless given) is ``stale`` against the speed saved with it,
-    or none was saved, or it lacks a cost this version measures (a cache of an earlier version): a
+    or none was saved, or it lacks a cost this version measures (``MEASURED_SINCE``): a
     machine shared with other tenants can run at half its speed for hours, and every cost with it."""
     if cache is not None and dispatch_s is None:
         dispatch_s = dispatch_seconds()
     if cache is not None and Path(cache).exists() and not refresh:
-        machine, then, complete = _read(cache)
+        machine, then, lacking = _read(cache)
         assert dispatch_s is not None
-        if not complete:
-            print(f"{cache}: written by an earlier version (no wake-up fee): measuring this machine's costs again",
-                  file=sys.stderr)  # fmt: skip
+        if lacking:
+            print(f"{cache}: written by an earlier version (without {', '.join(lacking)}): measuring this machine's "
+                  f"costs again", file=sys.stderr)  # fmt: skip
         elif not stale(then, dispatch_s):
             return machine
         else:

@@ -32,12 +32,13 @@ The server's loop (``server.Server.serve``): take every message landed so far (a
 requests one by one (p3: by priority, ``p3.PriorityReceive``), then send the held replies. The P3
 server sends each reply as it is served; the plain server holds a poll's replies to each worker and
 sends them as one message (up to ``TANDEM_PS_COALESCE_BYTES``); a push is acknowledged (an empty reply).
-CPU (``Machine``): a message costs ``message_s + bytes * byte_s`` in the sending worker's sender
-thread and in the receiving worker's IO thread (requests leaving the sender at once share one
-message per server, up to ``TANDEM_PS_COALESCE_BYTES``); a server spends ``server_message_s + bytes *
-server_byte_s + bytes / aggregate_Bps`` per request received (receive and sum), ``bytes /
-aggregate_Bps`` once per round (the update) and ``server_message_s + bytes * server_byte_s`` per
-message it sends (replies, RECEIVED notices). A thread that finds no message waiting and is woken by
+CPU (``Machine``): a message of n requests (or replies) costs ``message_s + n * entry_s + bytes *
+byte_s`` in the sending worker's sender thread and in the receiving worker's IO thread (requests
+leaving the sender at once share one message per server, up to ``TANDEM_PS_COALESCE_BYTES``); a
+server spends ``server_message_s`` per message received, ``server_entry_s + bytes * server_byte_s +
+bytes / aggregate_Bps`` per request in it (receive and sum), ``bytes / aggregate_Bps`` once per
+round (the update) and ``server_message_s + n * server_entry_s + bytes * server_byte_s`` per
+message of n replies it sends (or a RECEIVED notice). A thread that finds no message waiting and is woken by
 the next pays ``Machine.wake_s`` on top, more the longer it waited (caches gone cold; measured).
 Every thread's work (compute segments included) runs on its host's ``cores``, shared by processor
 sharing (``CPU``): n busy threads on c cores each progress at min(1, c / n), or min(1, c / (n + b))
@@ -122,9 +123,13 @@ class Machine:
     little about a cluster's hosts).
     """
 
-    message_s: float = 51e-6  # a worker's CPU per message sent or received
+    # a message of one request cost 51 us (worker) and 70 us (server); split into the message and its
+    # request by the shares measured later on the same machine (13 % and 24 % the request's)
+    message_s: float = 44e-6  # a worker's CPU per message sent or received
+    entry_s: float = 7e-6  # a worker's CPU per request (or reply) a message carries, beyond the message
     byte_s: float = 0.19e-9  # a worker's CPU per byte sent or received (serialise, copy, authenticate)
-    server_message_s: float = 70e-6  # a server's CPU per message received or sent
+    server_message_s: float = 53e-6  # a server's CPU per message received or sent
+    server_entry_s: float = 17e-6  # a server's CPU per request (or reply) a message carries (the update's slot too)
     server_byte_s: float = 0.18e-9  # a server's CPU per byte received or sent (beyond summing)
     aggregate_Bps: float = 22e9  # float32 bytes/s a server sums (one pass)
     cores: float = INF  # cores per host
@@ -138,7 +143,7 @@ class Machine:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "wake", tuple(tuple(float(v) for v in point) for point in self.wake))  # from JSON lists
-        costs = (self.message_s, self.byte_s, self.server_message_s, self.server_byte_s)
+        costs = (self.message_s, self.byte_s, self.server_message_s, self.server_byte_s, self.entry_s, self.server_entry_s)
         if not (all(c >= 0 for c in costs) and self.aggregate_Bps > 0 and self.cores > 0 and self.background >= 0):
             raise ValueError(f"CPU costs and background must be >= 0, aggregate_Bps and cores > 0, got {self}")
         gaps = [point[0] for point in self.wake]
@@ -146,6 +151,11 @@ class Machine:
                 or gaps != sorted(set(gaps)) or 0.0 in gaps):  # fmt: skip
             raise ValueError(f"wake: points (idle seconds > 0, increasing; worker fee >= 0; server fee >= 0; all "
                              f"finite), got {self.wake}")  # fmt: skip
+
+    @property
+    def single_message_s(self) -> float:
+        """A worker's CPU for a message of one request: what a ring step's send or receive is charged."""
+        return self.message_s + self.entry_s
 
     def wake_s(self, idle_s: float, server: bool = False) -> float:
         """The extra CPU seconds of a message handled by a thread that had handled none for ``idle_s``."""
@@ -416,6 +426,7 @@ class _Request:
     kind: str  # "pushpull", "push" or "pull"
     iteration: int
     capped: bool  # counts against the water mark (p3: a push that is not ``small``)
+    opens: bool = False  # the first request of its message: the server pays the message's fixed cost on it
     receipt: bool = False  # asks for a RECEIVED notice should its server park it (p3_sender's rule)
     released: bool = False  # its cap slot is free again: its notice or its reply was received
 
@@ -581,7 +592,8 @@ class _PSSim:
                 self._send_message(worker, message)
 
     def _send_message(self, worker: int, requests: list[_Request]) -> None:
-        cost = self.m.message_s + sum(r.nbytes for r in requests) * self.m.byte_s
+        requests[0].opens = True
+        cost = self.m.message_s + len(requests) * self.m.entry_s + sum(r.nbytes for r in requests) * self.m.byte_s
         self.sender[worker].put(cost, lambda: self.transmit(requests))
 
     def transmit(self, requests: list[_Request]) -> None:
@@ -645,12 +657,14 @@ class _PSSim:
             self.serve(server, batch, 0)
 
     def serve(self, server: int, batch: list[_Request], index: int) -> None:
-        """Serve ``batch[index]`` (receive and sum its bytes), then the rest; at the end, flush and poll again."""
+        """Serve ``batch[index]`` (receive and sum its bytes; the first of a message receives the message),
+        then the rest; at the end, flush and poll again."""
         if index == len(batch):
             self.flush(server, lambda: self.poll(server))
             return
         request, m = batch[index], self.m
-        cost = m.server_message_s + request.nbytes * m.server_byte_s + request.nbytes / m.aggregate_Bps
+        cost = (request.opens * m.server_message_s + m.server_entry_s + request.nbytes * m.server_byte_s
+                + request.nbytes / m.aggregate_Bps)  # fmt: skip
         self.server_cpu[server].put(cost, lambda: self.served(request, lambda: self.serve(server, batch, index + 1)))
 
     def served(self, request: _Request, then: Callable[[], None]) -> None:
@@ -712,9 +726,10 @@ class _PSSim:
         self.send_replies(server, worker, self.held[server].pop(worker), lambda: self.flush(server, then))
 
     def send_replies(self, server: int, worker: int, replies: list[_Reply], then: Callable[[], None]) -> None:
-        """One message (a BATCH if several replies): the server's thread (server_message_s + bytes x
-        server_byte_s), its uplink, the worker's downlink and IO thread (message_s + bytes x byte_s),
-        then each reply takes effect; ``then`` runs once the server's thread has sent it."""
+        """One message (a BATCH if several replies): the server's thread (server_message_s + replies x
+        server_entry_s + bytes x server_byte_s), its uplink, the worker's downlink and IO thread
+        (message_s + replies x entry_s + bytes x byte_s), then each reply takes effect; ``then`` runs
+        once the server's thread has sent it."""
         nbytes = sum(r.nbytes for r in replies)
 
         def received() -> None:
@@ -725,19 +740,20 @@ class _PSSim:
                     self.received(reply.request)
 
         def sent() -> None:
-            self.to_worker(server, worker, nbytes, received)
+            self.to_worker(server, worker, nbytes, len(replies), received)
             then()
 
-        self.server_cpu[server].put(self.m.server_message_s + nbytes * self.m.server_byte_s, sent)
+        m = self.m
+        self.server_cpu[server].put(m.server_message_s + len(replies) * m.server_entry_s + nbytes * m.server_byte_s, sent)
 
-    def to_worker(self, server: int, worker: int, nbytes: float, received: Callable[[], None]) -> None:
-        """A message of ``nbytes`` from ``server`` to ``worker`` (replies, or a RECEIVED notice of no bytes):
-        the server's uplink, the worker's downlink, its IO thread."""
+    def to_worker(self, server: int, worker: int, nbytes: float, entries: int, received: Callable[[], None]) -> None:
+        """A message of ``entries`` replies (or a RECEIVED notice of no bytes), ``nbytes`` in all, from
+        ``server`` to ``worker``: the server's uplink, the worker's downlink, its IO thread."""
         sent = self.events.now
 
         def landed() -> None:
             self.on_network(worker, sent)
-            self.receiver[worker].put(self.m.message_s + nbytes * self.m.byte_s, received)
+            self.receiver[worker].put(self.m.message_s + entries * self.m.entry_s + nbytes * self.m.byte_s, received)
 
         if self.c.colocated and worker == server:  # on the host: no link
             landed()
@@ -832,7 +848,7 @@ def _ring_steps(nbytes: float, workers: int, gather: bool = False) -> tuple[int,
 
 def _ring_seconds(nbytes: float, cluster: Cluster, gather: bool) -> float:
     steps, moved = _ring_steps(nbytes, cluster.workers, gather)
-    return moved / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.machine.message_s)
+    return moved / cluster.bytes_per_s + steps * (cluster.latency_s + 2 * cluster.machine.single_message_s)
 
 
 def allreduce_seconds(nbytes: float, cluster: Cluster) -> float:
@@ -878,7 +894,7 @@ class _CollectiveSim:
     queued asks for a round.
 
     A collective (a round too) takes ``allreduce_seconds`` on the ring and its worker's CPU ``2 (W-1)``
-    steps of a send and a receive (``message_s`` each, ``byte_s`` per byte); with compression the
+    steps of a send and a receive (``single_message_s`` each, ``byte_s`` per byte); with compression the
     store all-gathers the compressed slices instead (``allgather_seconds``, ``W-1`` steps). It ends
     once both are done. That CPU shares the worker's cores with its compute (``CPU``; on a shared
     host each worker has ``cores / W`` of them), so communication slows compute where cores are
@@ -912,7 +928,7 @@ class _CollectiveSim:
         once the ring's time has passed and this worker's CPU for it is spent."""
         machine = self.c.machine
         steps, moved = _ring_steps(nbytes, self.c.workers, gather)
-        cpu_s = steps * 2 * machine.message_s + 2 * moved * machine.byte_s  # each step a send and a receive
+        cpu_s = steps * 2 * machine.single_message_s + 2 * moved * machine.byte_s  # each step a send and a receive
         seconds = _ring_seconds(nbytes, self.c, gather)
         left = [2]
 

@@ -38,14 +38,16 @@ def test_a_cache_from_another_speed_is_measured_again(tmp_path: Path, capsys: py
 
 
 def test_a_cache_of_an_earlier_version_is_measured_again(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A cache without the wake-up fee (written before it was measured) is not read at any speed."""
+    """A cache without the wake-up fee or the cost per request (written before they were measured) is
+    not read at any speed."""
     path = save(BOGUS, tmp_path / "machine.json", 5e-6)
     found = json.loads(path.read_text())
-    del found["wake"]
+    del found["wake"], found["entry_s"]
     path.write_text(json.dumps(found))
     machine = this_machine(path, dispatch_s=5e-6)
     assert machine.message_s < 0.01 and len(machine.wake) == 5 and machine.wake[0][1:] == (0.0, 0.0)  # back to back: none
-    assert "earlier version" in capsys.readouterr().err and load(path) == machine
+    assert 0 < machine.entry_s < machine.message_s and 0 < machine.server_entry_s < 0.01
+    assert "without wake, entry_s" in capsys.readouterr().err and load(path) == machine
 
 
 def test_wake_points_from_the_probes_trips() -> None:

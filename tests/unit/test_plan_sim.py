@@ -25,7 +25,8 @@ from tandem.planner.sim import (
 )
 
 RATE = 32e6  # bits/s: 4e6 bytes/s, so 4e6 bytes take 1 s on a link
-NO_COST = Machine(message_s=0.0, byte_s=0.0, server_message_s=0.0, server_byte_s=0.0, aggregate_Bps=1e30)
+NO_COST = Machine(message_s=0.0, byte_s=0.0, server_message_s=0.0, server_byte_s=0.0, entry_s=0.0, server_entry_s=0.0,
+                  aggregate_Bps=1e30)  # fmt: skip
 FREE = {"machine": NO_COST}  # no CPU cost per message or byte
 
 
@@ -75,6 +76,22 @@ def test_cpu_per_message_and_per_byte() -> None:
     result = simulate(one_gradient(), cluster, Strategy("overlap"))
     assert result.iteration_s == pytest.approx(1.5 + 2.0 + 4 * 0.001 + 2 * 0.1)
     assert (result.worker_cpu_s, result.server_cpu_s) == pytest.approx((1.5 + 2 * 0.001, 2 * 0.001 + 2 * 0.1))
+
+
+def test_a_message_of_many_requests_costs_its_fixed_part_once() -> None:
+    """Baseline, 1 worker, two gradients: the two pushes leave in one message, so do the two pulls
+    (TANDEM_PS_COALESCE_BYTES holds them), and the server answers each poll with one message. Per
+    iteration the worker sends 2 messages of 2 requests and receives 2 of 2 replies (acks, then the
+    sums): 4 message_s + 8 entry_s; the server the same in its own costs."""
+    machine = dataclasses.replace(NO_COST, message_s=0.004, entry_s=0.001, server_message_s=0.002, server_entry_s=0.0005)
+    cluster = at_whole_rate(1, 1, 1e30, latency_s=0.0, machine=machine)
+    two = Workload(("a", "b"), (4, 4), (1.0,), ((0, 1),), (1.0,), ((0, 1),))
+    result = simulate(two, cluster, Strategy("baseline"))
+    assert result.worker_cpu_s == pytest.approx(2.0 + 4 * 0.004 + 8 * 0.001)
+    assert result.server_cpu_s == pytest.approx(4 * 0.002 + 8 * 0.0005)
+    # the path: the sender sends the pushes, then the pulls (6 ms each); the server serves the pulls and
+    # sends the sums (3 ms each; the acks were served meanwhile); the IO thread receives them (6 ms)
+    assert result.iteration_s == pytest.approx(2.0 + 2 * 0.006 + 2 * 0.003 + 0.006)
 
 
 def test_baseline_waits_for_everything_overlap_starts_during_backward() -> None:
@@ -196,7 +213,7 @@ def test_colocated_servers_share_their_workers_nic() -> None:
 
 
 def test_ring_allreduce_formula() -> None:
-    cluster = at_whole_rate(4, 0, RATE, latency_s=0.01, machine=Machine(message_s=0.001))
+    cluster = at_whole_rate(4, 0, RATE, latency_s=0.01, machine=Machine(message_s=0.0007, entry_s=0.0003))  # a step: 1 ms
     assert allreduce_seconds(4_000_000, cluster) == pytest.approx(2 * 3 / 4 * 1.0 + 6 * (0.01 + 2 * 0.001))
     assert allreduce_seconds(4_000_000, at_whole_rate(1, 0, RATE)) == 0.0
     result = simulate(one_gradient(), cluster, Strategy("allreduce"))
@@ -207,7 +224,7 @@ def test_ring_allreduce_formula() -> None:
 
 def test_allreduce_buckets_overlap_backward() -> None:
     """Bucket b (ready at 3 s) is reduced during a's backward segment; only a's bucket is exposed."""
-    cluster = at_whole_rate(2, 0, RATE, latency_s=0.0, machine=Machine(message_s=0.0))
+    cluster = at_whole_rate(2, 0, RATE, latency_s=0.0, machine=Machine(message_s=0.0, entry_s=0.0))
     result = simulate(two_layers(), cluster, Strategy("allreduce", bucket_bytes=1))
     assert result.iteration_s == pytest.approx(4.0 + 1.0)  # each bucket: 2 (W-1)/W x 1 s = 1 s
     assert result.exposed_s == pytest.approx(1.0)
@@ -362,7 +379,7 @@ def test_a_link_shares_its_rate_between_peers_and_keeps_each_peers_order() -> No
 def test_costs_per_byte_at_both_ends() -> None:
     """One 4e6-byte pushpull, no latency: the worker pays byte_s on the push it sends and the reply it
     receives, the server server_byte_s on both and two summing passes (4e6 B / 4e7 B/s = 0.1 s each)."""
-    machine = Machine(message_s=0.0, byte_s=1e-8, server_message_s=0.0, server_byte_s=2e-8, aggregate_Bps=4e7)
+    machine = dataclasses.replace(NO_COST, byte_s=1e-8, server_byte_s=2e-8, aggregate_Bps=4e7)
     result = simulate(one_gradient(), at_whole_rate(1, 1, RATE, latency_s=0.0, machine=machine), Strategy("overlap"))
     assert result.iteration_s == pytest.approx(1.5 + 2.0 + 2 * 0.04 + 2 * 0.08 + 2 * 0.1)
 
