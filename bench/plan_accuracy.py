@@ -13,6 +13,9 @@ The constants come from ``measure.py`` and the profile alone; nothing here is fi
 runs. This machine's speed drifts by tens of percent over minutes (it is shared), so just before each
 job the profiled step's segments are timed again (``segment_seconds``, as the profile timed them) and
 the plan is made at that speed: ``compute_scale`` = now / when profiled, the same for every segment.
+The step is timed again right after the job (``compute_scale_after``); the report also predicts each
+job at the speed around it (the geometric mean of the two), which tells the simulator's error from
+the machine's drift during the job, and at the profile's speed (no re-timing at all).
 Each measured job is appended to ``OUT/jobs.jsonl`` as it ends (with the load average around it), so a
 stopped run resumes, and the table is written from whatever has been measured.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -152,12 +156,14 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                            "compute_scale": scale,
                            "seconds": time.time() - start, "load_before": load, "load_after": os.getloadavg()[0],
                            "background": background, "background_after": background_threads()}  # fmt: skip
+                    row["compute_scale_after"] = compute_now(model) / found.compute_s  # and its speed right after
                     done[key] = row
                     with log.open("a") as f:
                         f.write(json.dumps(row) + "\n")
                     print(f"{key}: {strategy.label} predicted {row['predicted']:.1f} measured {row['measured']:.1f} "
                           f"({row['predicted'] / row['measured']:.2f}) in {row['seconds']:.0f} s, background {background:.1f} "
-                          f"-> {row['background_after']:.1f}, compute x{scale:.2f} of the profile's",
+                          f"-> {row['background_after']:.1f}, compute x{scale:.2f} -> x{row['compute_scale_after']:.2f} "
+                          f"of the profile's",
                           flush=True)  # fmt: skip
     return list(done.values())
 
@@ -254,23 +260,39 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, cost
     rows = sorted(rows, key=lambda r: (r["model"], r["workers"], r["servers"], args.rates.index(r["rate"])
                                        if r["rate"] in args.rates else 9, order[r["mode"]]))  # fmt: skip
     errors = [r["predicted"] / r["measured"] - 1 for r in rows]
-    quiets = [resimulate(r, out, costs=costs).samples_per_s for r in rows]
-    quiet_errors = [q / r["measured"] - 1 for r, q in zip(rows, quiets)]
+    arounds = [resimulate(r, out, r["background"], costs, scale=around_scale(r)).samples_per_s for r in rows]
+    around_errors = [a / r["measured"] - 1 for r, a in zip(rows, arounds)]
     stale = [resimulate(r, out, r["background"], costs, scale=1.0).samples_per_s / r["measured"] - 1 for r in rows]
     table = markdown_table(["model", "workers + servers", "link", "mode", "predicted samples/s", "measured",
-                            "error", "other threads before / after", "predicted, no other work", "its error"],
+                            "error", "compute speed before / after (x profile)", "other threads before / after",
+                            "predicted at the speed around the job", "its error"],
                            [[r["model"], f"{r['workers']} + {r['servers']}", r["rate"], r["label"], r["predicted"],
-                             r["measured"], f"{e:+.0%}", f"{r['background']:.1f} / {r['background_after']:.1f}", q,
-                             f"{qe:+.0%}"] for r, e, q, qe in zip(rows, errors, quiets, quiet_errors)])  # fmt: skip
+                             r["measured"], f"{e:+.0%}", _speeds(r),
+                             f"{r['background']:.1f} / {r['background_after']:.1f}", a, f"{ae:+.0%}"]
+                            for r, e, a, ae in zip(rows, errors, arounds, around_errors)])  # fmt: skip
     groups = [(m, [i for i, r in enumerate(rows) if r["mode"] == m]) for m in MODES]
     groups += [(f"{m} (all modes)", [i for i, r in enumerate(rows) if r["model"] == m]) for m in MODELS]
     groups += [(f"at {rate}", [i for i, r in enumerate(rows) if r["rate"] == rate]) for rate in args.rates]
     groups.append(("all", list(range(len(rows)))))
-    summary = [[name, len(index), *_stats([errors[i] for i in index]), *_stats([quiet_errors[i] for i in index]),
+    summary = [[name, len(index), *_stats([errors[i] for i in index]), *_stats([around_errors[i] for i in index]),
                 *_stats([stale[i] for i in index])] for name, index in groups if index]  # fmt: skip
-    return (markdown_table(["cases", "jobs", "median abs. error", "worst abs. error", "median, no other work",
-                            "worst, no other work", "median, at the profile's speed", "worst, at the profile's speed"],
+    return (markdown_table(["cases", "jobs", "median abs. error", "worst abs. error",
+                            "median, at the speed around the job", "worst, at the speed around the job",
+                            "median, at the profile's speed", "worst, at the profile's speed"],
                            summary) + "\n\n" + table + cpu_table(rows, out, costs))  # fmt: skip
+
+
+def around_scale(row: dict[str, Any]) -> float:
+    """The compute speed around ``row``'s job (x the profile's time): the geometric mean of the speeds
+    timed just before and just after it (before only, for rows that lack the after)."""
+    before = row.get("compute_scale", 1.0)
+    return math.sqrt(before * row.get("compute_scale_after", before))
+
+
+def _speeds(row: dict[str, Any]) -> str:
+    before = row.get("compute_scale")
+    after = row.get("compute_scale_after")
+    return "-" if before is None else f"{before:.2f} / " + ("-" if after is None else f"{after:.2f}")
 
 
 def cpu_table(rows: list[dict[str, Any]], out: Path, costs: Any = None) -> str:
