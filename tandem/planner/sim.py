@@ -173,8 +173,9 @@ class Machine:
         if self.background:
             where += f", {self.background:.1f} threads of other work"
         wake = ", ".join(f"{gap * 1e3:.2g} ms: +{worker * 1e6:.0f} / +{server * 1e6:.0f} us" for gap, worker, server in self.wake)
-        return (f"CPU per message {self.message_s * 1e6:.0f} us + {self.byte_s * 1e9:.2f} ns/B (servers "
-                f"{self.server_message_s * 1e6:.0f} us + {self.server_byte_s * 1e9:.2f} ns/B), servers sum "
+        return (f"CPU per message {self.message_s * 1e6:.0f} us + {self.entry_s * 1e6:.0f} us per request + "
+                f"{self.byte_s * 1e9:.2f} ns/B (servers {self.server_message_s * 1e6:.0f} us + "
+                f"{self.server_entry_s * 1e6:.0f} us + {self.server_byte_s * 1e9:.2f} ns/B), servers sum "
                 f"{self.aggregate_Bps / 1e9:.1f} GB/s" + (f", after idle ({wake})" if wake else "") + f"; {where}")  # fmt: skip
 
 
