@@ -153,7 +153,7 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                            "machine": costs, "label": strategy.label, "predicted": predicted.samples_per_s,
                            "measured": measured.samples_per_s, "worker_cpu": measured.worker_cpu_s,
                            "server_cpu": measured.server_cpu_s, "worker_threads": measured.worker_threads,
-                           "compute_scale": scale,
+                           "compute_scale": scale, "profile_compute_s": found.compute_s,
                            "seconds": time.time() - start, "load_before": load, "load_after": os.getloadavg()[0],
                            "background": background, "background_after": background_threads()}  # fmt: skip
                     row["compute_scale_after"] = compute_now(model) / found.compute_s  # and its speed right after
@@ -246,7 +246,9 @@ def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, costs: A
     cluster = Cluster(row["workers"], row["servers"], parse_rate(UNSHAPED if row["rate"] == "none" else row["rate"]),
                       machine=machine)  # fmt: skip
     scale = row.get("compute_scale", 1.0) if scale is None else scale
-    workload = Profile.load(out / f"profile_{row['model']}.json").scaled(scale).workload()
+    profiled = Profile.load(out / f"profile_{row['model']}.json")
+    # the scales are against the profile the job was planned with: a profile taken since is rescaled to it
+    workload = profiled.scaled(scale * row.get("profile_compute_s", profiled.compute_s) / profiled.compute_s).workload()
     return simulate(workload, cluster, strategy)
 
 
@@ -279,7 +281,32 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, cost
     return (markdown_table(["cases", "jobs", "median abs. error", "worst abs. error",
                             "median, at the speed around the job", "worst, at the speed around the job",
                             "median, at the profile's speed", "worst, at the profile's speed"],
-                           summary) + "\n\n" + table + cpu_table(rows, out, costs))  # fmt: skip
+                           summary) + "\n\n" + drift(rows, out, costs) + "\n\n" + table + cpu_table(rows, out, costs))  # fmt: skip
+
+
+def drift(rows: list[dict[str, Any]], out: Path, costs: Any = None) -> str:
+    """How far the machine's speed moved under the jobs: the step timed right before and right after each
+    job, and a worker's compute thread's CPU per step in the job against the profiled step at the
+    speed around it (the same step's work, by mode)."""
+    timed = [r for r in rows if "compute_scale_after" in r]
+    if not timed:
+        return ""
+    moves = [r["compute_scale_after"] / r["compute_scale"] for r in timed]
+    moved = sum(abs(m - 1) > 0.2 for m in moves)
+    text = (f"The machine's speed under the jobs: the step timed right after a job took x{min(moves):.2f} to "
+            f"x{max(moves):.2f} the time it took right before it; in {moved} of {len(timed)} jobs it moved by more "
+            f"than 20 %.")  # fmt: skip
+    ratios: dict[str, list[float]] = {}
+    for r in timed:
+        in_job = r.get("worker_threads", {}).get("tandem-compute")
+        if in_job:
+            profiled = resimulate(r, out, r["background"], costs, scale=around_scale(r)).compute_s
+            ratios.setdefault(r["mode"], []).append(in_job / profiled)
+    if ratios:
+        text += (" A worker's compute thread spent, per step, this many times the profiled step at the speed "
+                 "around the job (median, range): " + "; ".join(
+                     f"{mode} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for mode, v in ratios.items()) + ".")
+    return text
 
 
 def around_scale(row: dict[str, Any]) -> float:
@@ -378,16 +405,18 @@ def main() -> None:
     if args.machine is not None and not args.repredict:
         parser.error("--machine gives --repredict its costs: use it with --report-only --repredict")
     out = OUT / "plan_accuracy"
-    out.mkdir(parents=True, exist_ok=True)
+    for directory in (out, OUT / "plan_sweep"):
+        directory.mkdir(parents=True, exist_ok=True)
     if args.repeat:
         text = repeat(args)
         print(f"\n{text}\n\nwritten {write_report('plan_repeat', text)}\nreproduce: {command_line()}")
         return
-    if args.sweep:
-        text = sweep(args, out)
+    if args.sweep:  # its own caches: a sweep in another state of the machine leaves the grid's profiles as they were
+        text = sweep(args, OUT / "plan_sweep")
         print(f"\n{text}\n\nwritten {write_report('plan_sweep', text)}\nreproduce: {command_line()}")
         return
     from tandem.planner.measure import load
+    from tandem.planner.sim import Machine
 
     costs = None if args.machine is None else load(args.machine)  # --repredict --machine: every job at these
     if args.report_only:
@@ -396,7 +425,8 @@ def main() -> None:
             rows = [{**row, "predicted": resimulate(row, out, row["background"], costs).samples_per_s} for row in rows]
     else:
         rows = run_grid(args, out)
-    machine = costs or load(out / "machine.json")
+    planned = {json.dumps(row["machine"], sort_keys=True) for row in rows if "machine" in row}
+    machine = costs or (Machine(**json.loads(planned.pop())) if len(planned) == 1 else load(out / "machine.json"))
     text = report(rows, args, out, costs)
     note = (f"`tandem plan` predicted vs measured samples/s on this machine ({machine.describe()}); error = "
             f"predicted / measured - 1; other threads: runnable threads of other work on the machine in the 2 s "
