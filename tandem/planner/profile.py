@@ -2,8 +2,9 @@
 
 A profile holds, in forward order, every parameter the step sends (name, elements, bytes), and per
 segment of the executor (``tandem.executor.Segment``): its phase, its median seconds over timed runs
-on the calling thread, the parameters it reads and those whose gradient it finishes. Its
-``fingerprint`` hashes the parameters' names, shapes and dtypes and the batch's shapes: a profile read
+on the calling thread, the parameters it reads and those whose gradient it finishes; and the
+seconds of a worker's optimizer update of every parameter (``update_seconds``: what a worker adds to
+its step where the workers, not servers, update). Its ``fingerprint`` hashes the parameters' names, shapes and dtypes and the batch's shapes: a profile read
 for another model, batch or tandem version is refused with what differs.
 """
 
@@ -47,26 +48,43 @@ class Profile:
     segments: tuple[SegmentProfile, ...]
     threads: int = 1  # torch threads while profiled
     extra: dict[str, Any] = field(default_factory=dict)  # anything else worth keeping (runs, backend)
+    update_s: float = 0.0  # a worker's optimizer update of every parameter (0: not measured, not charged)
 
     def workload(self) -> Workload:
         index = {name: i for i, (name, _, _) in enumerate(self.parameters)}
         forward = [s for s in self.segments if s.phase == "forward"]
         backward = [s for s in self.segments if s.phase != "forward"]
+        reads = tuple(tuple(index[n] for n in s.reads if n in index) for s in forward)
         return Workload(names=tuple(name for name, _, _ in self.parameters),
                         param_bytes=tuple(nbytes for _, _, nbytes in self.parameters),
-                        forward_s=tuple(s.seconds for s in forward),
-                        forward_reads=tuple(tuple(index[n] for n in s.reads if n in index) for s in forward),
+                        forward_s=tuple(s.seconds for s in forward), forward_reads=reads,
                         backward_s=tuple(s.seconds for s in backward),
                         backward_grads=tuple(tuple(index[n] for n in s.gradients if n in index) for s in backward),
-                        batch_size=self.batch_size)  # fmt: skip
+                        batch_size=self.batch_size, update_s=self._update_shares(reads))  # fmt: skip
+
+    def _update_shares(self, reads: tuple[tuple[int, ...], ...]) -> tuple[float, ...]:
+        """``update_s`` split over the forward segments by the bytes of the parameters each reads first
+        (where the executor applies them: just before the first segment that reads them)."""
+        if not self.update_s or not reads:
+            return ()
+        first: dict[int, int] = {}
+        for segment, params in enumerate(reads):
+            for p in params:
+                first.setdefault(p, segment)
+        owned = [0] * len(reads)
+        for p, segment in first.items():
+            owned[segment] += self.parameters[p][2]
+        total = sum(owned)
+        return tuple(self.update_s * b / total for b in owned) if total else ()
 
     @property
     def compute_s(self) -> float:
         return sum(s.seconds for s in self.segments)
 
     def scaled(self, factor: float) -> Profile:
-        """This profile with every segment ``factor`` times as long (the machine's speed moved since)."""
-        return replace(self, segments=tuple(replace(s, seconds=s.seconds * factor) for s in self.segments))
+        """This profile with every segment (and the update) ``factor`` times as long (the machine's speed moved since)."""
+        return replace(self, segments=tuple(replace(s, seconds=s.seconds * factor) for s in self.segments),
+                       update_s=self.update_s * factor)  # fmt: skip
 
     @property
     def total_bytes(self) -> int:
@@ -137,6 +155,37 @@ def segment_seconds(step: Any, batch: Sequence[Any], runs: int = 5, warmup: int 
     return [statistics.median(t) for t in seconds]
 
 
+def update_seconds(module: nn.Module, groups: Sequence[Sequence[str]], runs: int = 5, warmup: int = 2) -> float:
+    """Median seconds of a worker's optimizer update of the parameters in ``groups``, as the Trainer applies
+    it where the workers update: per group (the parameters a forward segment reads first) the summed
+    gradients averaged, then one fused SGD-with-momentum update (``tandem.optim.SGD``: the planner's
+    reference rule; Adam's update costs about twice its passes over memory). On copies: the module
+    keeps its values. CPU: this thread's CPU time; an accelerator: wall time, synchronised."""
+    from tandem import optim
+    from tandem.update.base import OptimizerApply
+
+    params = {name: p.detach().clone() for name, p in module.named_parameters()}
+    owned = [[name for name in group if name in params] for group in groups]
+    owned = [group for group in owned if group]
+    if not owned:
+        return 0.0
+    summed = {name: torch.ones_like(p) for name, p in params.items()}
+    apply = OptimizerApply(params, optim.SGD(lr=1e-6, momentum=0.9))
+    device = next(iter(params.values())).device
+    on_cpu = device.type == "cpu"
+    clock = time.thread_time if on_cpu else time.perf_counter
+    seconds = []
+    for run in range(warmup + runs):
+        start = clock()
+        for group in owned:
+            apply(group, {name: summed[name] / 2 for name in group})  # the sum over workers, averaged
+        if not on_cpu:
+            torch.accelerator.synchronize()
+        if run >= warmup:
+            seconds.append(clock() - start)
+    return statistics.median(seconds)
+
+
 def describe(module: nn.Module, batch: Sequence[Any]) -> tuple[tuple[tuple[str, int, int], ...], tuple[tuple[int, ...], ...], str]:
     """(parameters as (name, elements, bytes), batch tensor shapes, fingerprint) of a module and batch."""
     from tandem.graph.batch import BatchLayout
@@ -166,6 +215,13 @@ def profile(module: nn.Module, loss_fn: Any, batch: Sequence[Any], model: str = 
         step = compile_step(module, loss_fn, *batch, **options)
         step(*batch)  # capture, plan, the measured first run
         seconds = segment_seconds(step, batch, runs, warmup)
+        first_reads: list[list[str]] = []  # per forward segment, the parameters no earlier one read
+        seen: set[str] = set()
+        for segment in step.executor.segments:
+            if str(segment.phase) == "forward":
+                first_reads.append([n for n in segment.parameters if n not in seen])
+                seen.update(segment.parameters)
+        update = update_seconds(module, first_reads, runs, warmup)
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous)
@@ -177,4 +233,4 @@ def profile(module: nn.Module, loss_fn: Any, batch: Sequence[Any], model: str = 
                                     tuple(s.gradients)) for s, t in zip(executor.segments, seconds))  # fmt: skip
     return Profile(model=model, version=__version__, fingerprint=digest, batch_size=int(shapes[0][0]) if shapes and shapes[0] else 1,
                    parameters=tuple((n, *sizes[n]) for n in sent), batch_shapes=shapes, segments=segments,
-                   threads=used, extra={"runs": runs, "backend": executor.backend})  # fmt: skip
+                   threads=used, extra={"runs": runs, "backend": executor.backend}, update_s=update)  # fmt: skip

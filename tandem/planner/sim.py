@@ -93,20 +93,30 @@ class Workload:
     backward_s: tuple[float, ...]  # seconds of each backward segment
     backward_grads: tuple[tuple[int, ...], ...]  # parameters whose gradient each backward segment finishes
     batch_size: int = 1  # samples per worker per step
+    # per forward segment, seconds of a worker's optimizer update of the parameters it reads first, run
+    # just before it where the workers update (collective, allreduce, update_on="workers"); () for none
+    update_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.names) != len(self.param_bytes):
             raise ValueError(f"{len(self.names)} names but {len(self.param_bytes)} byte counts")
         if len(self.forward_s) != len(self.forward_reads) or len(self.backward_s) != len(self.backward_grads):
             raise ValueError("one list of parameters per segment (forward_reads, backward_grads)")
-        if any(t < 0 for t in (*self.forward_s, *self.backward_s)):
-            raise ValueError("segment times must be >= 0")
+        if self.update_s and len(self.update_s) != len(self.forward_s):
+            raise ValueError(f"update_s: one time per forward segment ({len(self.forward_s)}), got {len(self.update_s)}")
+        if any(t < 0 for t in (*self.forward_s, *self.backward_s, *self.update_s)):
+            raise ValueError("segment and update times must be >= 0")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
     @property
     def compute_s(self) -> float:
         return sum(self.forward_s) + sum(self.backward_s)
+
+    @property
+    def worker_update_s(self) -> float:
+        """A worker's optimizer update of every parameter, per step (where the workers update)."""
+        return sum(self.update_s)
 
     @property
     def total_bytes(self) -> int:
@@ -123,8 +133,8 @@ class Machine:
     little about a cluster's hosts).
     """
 
-    # a message of one request cost 51 us (worker) and 70 us (server); split into the message and its
-    # request by the shares measured later on the same machine (13 % and 24 % the request's)
+    # a message of one request costs 51 us (worker) and 70 us (server), split into the message and its
+    # request by the request's share measured on the same machine (13 % at a worker, 24 % at a server)
     message_s: float = 44e-6  # a worker's CPU per message sent or received
     entry_s: float = 7e-6  # a worker's CPU per request (or reply) a message carries, beyond the message
     byte_s: float = 0.19e-9  # a worker's CPU per byte sent or received (serialise, copy, authenticate)
@@ -446,9 +456,11 @@ class _ComputeLoop:
     index)`` is told as each segment ends, before the next one is looked at. Records its waits."""
 
     def __init__(self, workload: Workload, events: Events, cpu: CPU, iterations: int,
-                 finished: Callable[[int, int], None], gate_all_first: bool = False) -> None:  # fmt: skip
+                 finished: Callable[[int, int], None], gate_all_first: bool = False,
+                 updates: bool = False) -> None:  # fmt: skip
         self.w, self.events, self.cpu, self.iterations = workload, events, cpu, iterations
         self.finished, self.gate_all_first = finished, gate_all_first
+        self.updates = updates and bool(workload.update_s)  # the workers update: before each forward segment, its share
         self.back = [-1] * len(workload.names)  # per parameter, the last iteration fully back
         self.position = (0, 0)  # (iteration, segment index over forward + backward)
         self.computing = False
@@ -467,6 +479,8 @@ class _ComputeLoop:
                 self.wait_since = self.events.now if self.wait_since is None else self.wait_since
                 return
             seconds = w.forward_s[index]
+            if self.updates and iteration > 0:  # the previous step's sums become its parameters first
+                seconds += w.update_s[index]
         else:
             seconds = w.backward_s[index - n_forward]
         if self.wait_since is not None:
@@ -498,6 +512,7 @@ class _PSSim:
         self.slices: list[list[Slice]] = [placement.plan(name, n) for name, n in zip(workload.names, numel)]
         n_workers, machine = cluster.workers, cluster.machine
         self.m = machine
+        self.updates = _updates_on_workers(strategy)
         cores, background = machine.cores, machine.background
         shared = CPU(ev, cores, background)  # shared_host: one host runs every process
         self.cpu = [shared if machine.shared_host else CPU(ev, cores, background) for _ in range(n_workers)]
@@ -526,7 +541,8 @@ class _PSSim:
         self.held: list[dict[int, list[_Reply]]] = [{} for _ in range(cluster.servers)]  # per worker, until flushed
         self.missing = [[0] * len(workload.names) for _ in range(n_workers)]  # slices not back, per param
         self.loops = [_ComputeLoop(workload, ev, self.cpu[w], iterations, partial(self.segment_done, w),
-                                   gate_all_first=strategy.mode == "baseline") for w in range(n_workers)]  # fmt: skip
+                                   gate_all_first=strategy.mode == "baseline", updates=self.updates)
+                      for w in range(n_workers)]  # fmt: skip
         self.backward_end: list[float] = []  # worker 0, per iteration
         self.sends: list[tuple[float, int, int]] = []
         self.replies: list[tuple[float, int, int]] = []  # worker 0's answers received: (time, param, slice)
@@ -801,7 +817,7 @@ class _PSSim:
         found = _prediction(self.w, self.c, self.s, iteration_s, exposed, waited - exposed, self.sends, self.notices)
         found.replies = self.replies
         per_worker = self.iterations * self.c.workers  # every iteration moves every gradient once, so totals divide
-        found.worker_cpu_s = self.w.compute_s + sum(t.charged for t in self.sender + self.receiver) / per_worker
+        found.worker_cpu_s = found.compute_s + sum(t.charged for t in self.sender + self.receiver) / per_worker
         found.server_cpu_s = sum(t.charged for t in self.server_cpu) / (self.iterations * self.c.servers)
         return found
 
@@ -831,8 +847,18 @@ def _overlap(start: float, end: float, merged: list[tuple[float, float]]) -> flo
 def _prediction(workload: Workload, cluster: Cluster, strategy: Strategy, iteration_s: float, exposed: float,
                 idle: float, sends: list[tuple[float, int, int]] | None = None, notices: int = 0) -> Prediction:  # fmt: skip
     samples = cluster.workers * workload.batch_size / iteration_s if iteration_s > 0 else INF
-    return Prediction(cluster, strategy, iteration_s, workload.compute_s, exposed, max(idle, 0.0), samples,
-                      sends or [], notices)  # fmt: skip
+    return Prediction(cluster, strategy, iteration_s, _compute_s(workload, strategy), exposed, max(idle, 0.0),
+                      samples, sends or [], notices)  # fmt: skip
+
+
+def _updates_on_workers(strategy: Strategy) -> bool:
+    """Whether each worker runs the optimizer (on the summed gradients) rather than the servers."""
+    return strategy.mode in ("allreduce", "collective") or strategy.update_on == "workers"
+
+
+def _compute_s(workload: Workload, strategy: Strategy) -> float:
+    """A worker's compute per step: its segments, and its optimizer update where the workers update."""
+    return workload.compute_s + (workload.worker_update_s if _updates_on_workers(strategy) else 0.0)
 
 
 # -- collective all-reduce ---------------------------------------------------------------------------------
@@ -881,7 +907,8 @@ def _allreduce(workload: Workload, cluster: Cluster, strategy: Strategy) -> Pred
     for ready, nbytes in buckets:
         busy_until = max(busy_until, ready) + allreduce_seconds(nbytes, cluster)
     exposed = max(0.0, busy_until - clock)
-    return _prediction(workload, cluster, strategy, clock + exposed, exposed, 0.0)
+    # then the optimizer step (DDP: every worker, once every bucket is reduced), before the next forward
+    return _prediction(workload, cluster, strategy, clock + exposed + workload.worker_update_s, exposed, 0.0)
 
 
 class _CollectiveSim:
@@ -919,7 +946,7 @@ class _CollectiveSim:
         self.in_flight, self.completed_unseen = 0, 0  # issued, not yet freed by a round; completed since the last round
         self.rounding = False
         self.missing = [0] * len(workload.names)
-        self.loop = _ComputeLoop(workload, self.events, self.cpu, iterations, self.segment_done)
+        self.loop = _ComputeLoop(workload, self.events, self.cpu, iterations, self.segment_done, updates=True)
         self.backward_end: list[float] = []
         self.sends: list[tuple[float, int, int]] = []
         self.charged = 0.0  # CPU seconds of this worker's collectives
@@ -1012,5 +1039,5 @@ class _CollectiveSim:
         iteration_s, measured, waits = _steady_state(self.backward_end, self.loop.waits)
         waited = sum(b - a for a, b in waits) / measured
         found = _prediction(self.w, self.c, self.s, iteration_s, waited, 0.0, self.sends)
-        found.worker_cpu_s = self.w.compute_s + self.charged / self.iterations
+        found.worker_cpu_s = found.compute_s + self.charged / self.iterations
         return found

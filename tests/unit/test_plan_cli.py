@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 import tandem
 from tandem.cli import main
 from tandem.models import ZOO
-from tandem.planner.profile import Profile, ProfileMismatch
+from tandem.planner.profile import Profile, ProfileMismatch, SegmentProfile, update_seconds
 from tandem.planner.sim import Strategy
 
 CLUSTER = ["--workers", "4", "--servers", "2", "--link", "1gbit"]
@@ -47,6 +48,30 @@ def test_a_scaled_profile_keeps_its_layout(profiled: Path) -> None:
     assert slower.compute_s == pytest.approx(2 * profile.compute_s)
     assert (slower.parameters, slower.fingerprint, slower.batch_shapes) == (profile.parameters, profile.fingerprint,
                                                                             profile.batch_shapes)  # fmt: skip
+    assert slower.update_s == pytest.approx(2 * profile.update_s)
+
+
+def test_the_profile_times_a_workers_update_on_copies(profiled: Path) -> None:
+    """The optimizer update is timed (it is what a worker adds where the workers update), on copies: the
+    module keeps its values; the workload spreads it over the forward segments, summing to it."""
+    profile = Profile.load(profiled)
+    assert profile.update_s > 0
+    assert sum(profile.workload().update_s) == pytest.approx(profile.update_s)
+    module = ZOO["mlp"].build()
+    before = {name: p.clone() for name, p in module.named_parameters()}
+    assert update_seconds(module, [[name for name, _ in module.named_parameters()]], runs=1, warmup=0) > 0
+    assert all(torch.equal(before[name], p) for name, p in module.named_parameters())
+
+
+def test_the_update_goes_to_the_segment_that_reads_a_parameter_first() -> None:
+    """a (100 B) is read by both forward segments, b (300 B) by the second: 0.4 s split 0.1 / 0.3;
+    a profile saved before updates were timed (no update_s) charges none."""
+    forward = [SegmentProfile("forward", 1.0, ("a",)), SegmentProfile("forward", 1.0, ("a", "b"))]
+    backward = [SegmentProfile("backward", 1.0, (), ("a", "b"))]
+    profile = Profile("m", tandem.__version__, "f", 1, (("a", 25, 100), ("b", 75, 300)), (), (*forward, *backward),
+                      update_s=0.4)  # fmt: skip
+    assert profile.workload().update_s == pytest.approx((0.1, 0.3))
+    assert dataclasses.replace(profile, update_s=0.0).workload().update_s == ()
 
 
 def test_a_profile_of_another_model_or_version_is_refused(profiled: Path, tmp_path: Path) -> None:

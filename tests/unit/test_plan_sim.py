@@ -240,6 +240,27 @@ def test_collective_one_gradient_by_hand() -> None:
     assert (result.worker_cpu_s, result.server_cpu_s) == pytest.approx((1.5 + 2 * 2 * 2 * 0.001, 0.0))
 
 
+def test_where_the_workers_update_their_update_runs_before_the_next_forward() -> None:
+    """One gradient, 0.25 s of update: the collective and allreduce workers run it before each forward
+    (after the first), so it adds to their step; servers that update leave the workers' step alone
+    unless told ``update_on="workers"``."""
+    updating = dataclasses.replace(one_gradient(), update_s=(0.25,))
+    cluster = at_whole_rate(2, 0, RATE, latency_s=0.01, machine=dataclasses.replace(NO_COST, message_s=0.001))
+    plain = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7))
+    collective = simulate(updating, cluster, Strategy("collective", slice_size=10**7))
+    assert collective.iteration_s == pytest.approx(plain.iteration_s + 0.25)
+    assert (collective.compute_s, collective.worker_cpu_s) == pytest.approx((1.75, plain.worker_cpu_s + 0.25))
+    allreduce = simulate(updating, cluster, Strategy("allreduce"))
+    assert allreduce.iteration_s == pytest.approx(1.5 + allreduce_seconds(4_000_000, cluster) + 0.25)
+    servers = at_whole_rate(1, 1, RATE, latency_s=0.0, **FREE)
+    on_servers = simulate(updating, servers, Strategy("overlap"))
+    assert on_servers.iteration_s == pytest.approx(simulate(one_gradient(), servers, Strategy("overlap")).iteration_s)
+    on_workers = simulate(updating, servers, Strategy("overlap", update_on="workers"))
+    assert on_workers.iteration_s == pytest.approx(on_servers.iteration_s + 0.25)
+    with pytest.raises(ValueError, match="one time per forward segment"):
+        dataclasses.replace(one_gradient(), update_s=(0.1, 0.1))
+
+
 def test_collective_slices_overtake_by_priority_under_the_water_mark() -> None:
     """b (4 slices of 0.5 s, priority -1) is finished at 3 s, a (2 slices, priority 0) at 3.2 s. With water
     mark 1 a's slices go as soon as b's first completes (3.5 s, its round is free here); with 10, b's four
