@@ -4,8 +4,9 @@ A profile holds, in forward order, every parameter the step sends (name, element
 segment of the executor (``tandem.executor.Segment``): its phase, its median seconds over timed runs
 on the calling thread, the parameters it reads and those whose gradient it finishes; and the
 seconds of a worker's optimizer update of every parameter (``update_seconds``: what a worker adds to
-its step where the workers, not servers, update). Its ``fingerprint`` hashes the parameters' names, shapes and dtypes and the batch's shapes: a profile read
-for another model, batch or tandem version is refused with what differs.
+its step where the workers, not servers, update). Its ``fingerprint`` hashes the parameters' names,
+shapes and dtypes and the batch's shapes: a profile read for another model, batch or tandem version
+is refused with what differs.
 """
 
 from __future__ import annotations

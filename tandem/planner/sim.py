@@ -93,8 +93,9 @@ class Workload:
     backward_s: tuple[float, ...]  # seconds of each backward segment
     backward_grads: tuple[tuple[int, ...], ...]  # parameters whose gradient each backward segment finishes
     batch_size: int = 1  # samples per worker per step
-    # per forward segment, seconds of a worker's optimizer update of the parameters it reads first, run
-    # just before it where the workers update (collective, allreduce, update_on="workers"); () for none
+    # per forward segment, seconds of a worker's optimizer update of the parameters it reads first: run
+    # just before it where the workers update (collective, update_on="workers"; allreduce runs their sum
+    # after the last bucket); () for none
     update_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
