@@ -18,12 +18,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from tandem.planner.sim import Workload
+
+T = TypeVar("T")
 
 
 class ProfileMismatch(ValueError):
@@ -68,13 +70,7 @@ class Profile:
         (where the executor applies them: just before the first segment that reads them)."""
         if not self.update_s or not reads:
             return ()
-        first: dict[int, int] = {}
-        for segment, params in enumerate(reads):
-            for p in params:
-                first.setdefault(p, segment)
-        owned = [0] * len(reads)
-        for p, segment in first.items():
-            owned[segment] += self.parameters[p][2]
+        owned = [sum(self.parameters[p][2] for p in params) for params in first_readers(reads)]
         total = sum(owned)
         return tuple(self.update_s * b / total for b in owned) if total else ()
 
@@ -156,6 +152,17 @@ def segment_seconds(step: Any, batch: Sequence[Any], runs: int = 5, warmup: int 
     return [statistics.median(t) for t in seconds]
 
 
+def first_readers(reads: Sequence[Sequence[T]]) -> list[list[T]]:
+    """Per forward segment, the parameters of ``reads`` that no earlier segment read: where a worker's
+    update applies each one (``DistributedUpdate``: before the first segment that reads it)."""
+    seen: set[T] = set()
+    found = []
+    for params in reads:
+        found.append([p for p in params if p not in seen])
+        seen.update(params)
+    return found
+
+
 def update_seconds(module: nn.Module, groups: Sequence[Sequence[str]], runs: int = 5, warmup: int = 2) -> float:
     """Median seconds of a worker's optimizer update of the parameters in ``groups``, as the Trainer applies
     it where the workers update: per group (the parameters a forward segment reads first) the summed
@@ -216,13 +223,8 @@ def profile(module: nn.Module, loss_fn: Any, batch: Sequence[Any], model: str = 
         step = compile_step(module, loss_fn, *batch, **options)
         step(*batch)  # capture, plan, the measured first run
         seconds = segment_seconds(step, batch, runs, warmup)
-        first_reads: list[list[str]] = []  # per forward segment, the parameters no earlier one read
-        seen: set[str] = set()
-        for segment in step.executor.segments:
-            if str(segment.phase) == "forward":
-                first_reads.append([n for n in segment.parameters if n not in seen])
-                seen.update(segment.parameters)
-        update = update_seconds(module, first_reads, runs, warmup)
+        forward_reads = [s.parameters for s in step.executor.segments if str(s.phase) == "forward"]
+        update = update_seconds(module, first_readers(forward_reads), runs, warmup)
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous)

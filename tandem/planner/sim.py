@@ -513,7 +513,6 @@ class _PSSim:
         self.slices: list[list[Slice]] = [placement.plan(name, n) for name, n in zip(workload.names, numel)]
         n_workers, machine = cluster.workers, cluster.machine
         self.m = machine
-        self.updates = _updates_on_workers(strategy)
         cores, background = machine.cores, machine.background
         shared = CPU(ev, cores, background)  # shared_host: one host runs every process
         self.cpu = [shared if machine.shared_host else CPU(ev, cores, background) for _ in range(n_workers)]
@@ -542,7 +541,8 @@ class _PSSim:
         self.held: list[dict[int, list[_Reply]]] = [{} for _ in range(cluster.servers)]  # per worker, until flushed
         self.missing = [[0] * len(workload.names) for _ in range(n_workers)]  # slices not back, per param
         self.loops = [_ComputeLoop(workload, ev, self.cpu[w], iterations, partial(self.segment_done, w),
-                                   gate_all_first=strategy.mode == "baseline", updates=self.updates)
+                                   gate_all_first=strategy.mode == "baseline",
+                                   updates=_updates_on_workers(strategy))
                       for w in range(n_workers)]  # fmt: skip
         self.backward_end: list[float] = []  # worker 0, per iteration
         self.sends: list[tuple[float, int, int]] = []
@@ -947,7 +947,8 @@ class _CollectiveSim:
         self.in_flight, self.completed_unseen = 0, 0  # issued, not yet freed by a round; completed since the last round
         self.rounding = False
         self.missing = [0] * len(workload.names)
-        self.loop = _ComputeLoop(workload, self.events, self.cpu, iterations, self.segment_done, updates=True)
+        self.loop = _ComputeLoop(workload, self.events, self.cpu, iterations, self.segment_done,
+                                 updates=_updates_on_workers(strategy))
         self.backward_end: list[float] = []
         self.sends: list[tuple[float, int, int]] = []
         self.charged = 0.0  # CPU seconds of this worker's collectives
