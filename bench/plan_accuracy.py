@@ -262,7 +262,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, cost
     rows = sorted(rows, key=lambda r: (r["model"], r["workers"], r["servers"], args.rates.index(r["rate"])
                                        if r["rate"] in args.rates else 9, order[r["mode"]]))  # fmt: skip
     errors = [r["predicted"] / r["measured"] - 1 for r in rows]
-    arounds = [resimulate(r, out, r["background"], costs, scale=around_scale(r)).samples_per_s for r in rows]
+    around = [resimulate(r, out, r["background"], costs, scale=around_scale(r)) for r in rows]
+    arounds = [p.samples_per_s for p in around]
     around_errors = [a / r["measured"] - 1 for r, a in zip(rows, arounds)]
     stale = [resimulate(r, out, r["background"], costs, scale=1.0).samples_per_s / r["measured"] - 1 for r in rows]
     table = markdown_table(["model", "workers + servers", "link", "mode", "predicted samples/s", "measured",
@@ -281,27 +282,26 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path, cost
     return (markdown_table(["cases", "jobs", "median abs. error", "worst abs. error",
                             "median, at the speed around the job", "worst, at the speed around the job",
                             "median, at the profile's speed", "worst, at the profile's speed"],
-                           summary) + "\n\n" + drift(rows, out, costs) + "\n\n" + table + cpu_table(rows, out, costs))  # fmt: skip
+                           summary) + "\n\n" + drift(rows, around) + "\n\n" + table + cpu_table(rows, out, costs))  # fmt: skip
 
 
-def drift(rows: list[dict[str, Any]], out: Path, costs: Any = None) -> str:
+def drift(rows: list[dict[str, Any]], around: list[Any]) -> str:
     """How far the machine's speed moved under the jobs: the step timed right before and right after each
     job, and a worker's compute thread's CPU per step in the job against the profiled step at the
-    speed around it (the same step's work, by mode)."""
-    timed = [r for r in rows if "compute_scale_after" in r]
+    speed around it (``around``: each row's prediction at that speed; the same step's work, by mode)."""
+    timed = [(r, p) for r, p in zip(rows, around) if "compute_scale_after" in r]
     if not timed:
         return ""
-    moves = [r["compute_scale_after"] / r["compute_scale"] for r in timed]
+    moves = [r["compute_scale_after"] / r["compute_scale"] for r, _ in timed]
     moved = sum(abs(m - 1) > 0.2 for m in moves)
     text = (f"The machine's speed under the jobs: the step timed right after a job took x{min(moves):.2f} to "
             f"x{max(moves):.2f} the time it took right before it; in {moved} of {len(timed)} jobs it moved by more "
             f"than 20 %.")  # fmt: skip
     ratios: dict[str, list[float]] = {}
-    for r in timed:
+    for r, predicted in timed:
         in_job = r.get("worker_threads", {}).get("tandem-compute")
         if in_job:
-            profiled = resimulate(r, out, r["background"], costs, scale=around_scale(r)).compute_s
-            ratios.setdefault(r["mode"], []).append(in_job / profiled)
+            ratios.setdefault(r["mode"], []).append(in_job / predicted.compute_s)
     if ratios:
         text += (" A worker's compute thread spent, per step, this many times the profiled step at the speed "
                  "around the job (median, range): " + "; ".join(
