@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +48,43 @@ sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 from bench.common import OUT, command_line, markdown_table, write_report  # noqa: E402
 from bench.p3 import DDP_MODES, KINDS  # noqa: E402  (the mode -> kvstore kind map every bench shares)
 
-MODEL = ("resnet", {"depth": 8, "width": 16, "in_channels": 1, "small_input": True})  # tandem train's digits preset
 TANDEM_MODES = ("baseline", "overlap", "p3", "collective-p3")
 COMPRESSIONS = ("fp16", "2bit")
 SERVERS = 2
 JOB_TIMEOUT = 900
 MARK = "TTABENCH "
+
+
+@dataclass(frozen=True)
+class Task:
+    """What is trained to what target, and the defaults of its run."""
+
+    name: str
+    title: str  # for the plot and the report
+    metric: str  # what an evaluation measures
+    higher_is_better: bool
+    target: float
+    steps: int
+    eval_every: int
+    batch: int
+    lr: float
+    band: float  # the goal's "same final metric": |ours - DDP's best| at most this
+    band_text: str
+
+    def reached(self, value: float, target: float) -> bool:
+        return value >= target if self.higher_is_better else value <= target
+
+
+TASKS = {
+    "digits": Task("digits", "digits ResNet (depth 8, width 16)", "test accuracy", True, target=0.97, steps=200,
+                   eval_every=10, batch=64, lr=0.05, band=0.005, band_text="within 0.5 points"),
+    # the real-models example's LM: transformers' GPT2LMHeadModel (byte-level, 0.12M parameters) on
+    # Python's help texts, AdamW as scripts/train_lm.sh; 2.3 nats is perplexity 10, about 220 steps of
+    # one process at batch 32
+    "text": Task("text", "transformers GPT-2 (tiny) on pydoc text", "validation loss", False, target=2.3, steps=300,
+                 eval_every=20, batch=32, lr=3e-3, band=0.02, band_text="within 0.02 nats"),
+}  # fmt: skip
+WEIGHT_DECAY = 0.01  # the text task's AdamW, as the README's LM example
 
 
 def all_modes(compressions: tuple[str, ...] | list[str]) -> list[str]:
@@ -64,52 +96,85 @@ def all_modes(compressions: tuple[str, ...] | list[str]) -> list[str]:
 # ---- what each process runs --------------------------------------------------------------------
 
 
-def _data() -> tuple[Any, Any]:
+def _data(task: str) -> tuple[Any, Any]:
+    """(train, held out) of the task."""
     from tandem import data
 
+    if task == "text":
+        return data.pydoc_text("train"), data.pydoc_text("validation")
     return data.digits("train"), data.digits("test")
 
 
-def _model(seed: int = 0) -> tuple[Any, Any]:
+def _model(task: str, seed: int = 0) -> tuple[Any, Any]:
     import torch
 
-    from tandem.models import ZOO
+    from tandem.models import lookup
 
-    entry = ZOO[MODEL[0]]
+    entry = lookup("hf-gpt2" if task == "text" else "resnet")
     torch.manual_seed(seed)
-    return entry.build(**MODEL[1]), entry.loss_fn
+    if task == "text":
+        return entry.build(), entry.loss_fn
+    return entry.build(depth=8, width=16, in_channels=1, small_input=True), entry.loss_fn  # tandem train's digits preset
 
 
-def _batches(train: Any, rank: int, workers: int, batch: int, seed: int = 0) -> Any:
-    """This worker's piece of each global batch, forever: one permutation per epoch, full batches only."""
+def _optimizers(task: str, args: dict[str, Any]) -> tuple[Any, Any]:
+    """(tandem's update rule, a factory of torch's equal optimizer over some parameters)."""
     import torch
 
-    images, labels = train.tensors
+    import tandem.optim
+
+    if task == "text":
+        return (tandem.optim.AdamW(lr=args["lr"], weight_decay=WEIGHT_DECAY),
+                lambda parameters: torch.optim.AdamW(parameters, lr=args["lr"], weight_decay=WEIGHT_DECAY))  # fmt: skip
+    return (tandem.optim.SGD(lr=args["lr"], momentum=args["momentum"]),
+            lambda parameters: torch.optim.SGD(parameters, lr=args["lr"], momentum=args["momentum"]))  # fmt: skip
+
+
+def _batches(task: str, train: Any, rank: int, workers: int, batch: int, seed: int = 0) -> Any:
+    """This worker's piece of each global batch (a step's positional arguments), forever: one
+    permutation per epoch, full batches only."""
+    import torch
+
+    samples = train.tokens if task == "text" else train.tensors[0]
     per_worker = batch // workers
     epoch = 0
     while True:
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         for start in range(0, len(order) - batch + 1, batch):
             mine = order[start + rank * per_worker: start + (rank + 1) * per_worker]
-            yield images[mine], labels[mine]
+            if task == "text":
+                ids = train.tokens[mine]
+                yield ({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids},)
+            else:
+                yield train.tensors[0][mine], train.tensors[1][mine]
         epoch += 1
 
 
-def _accuracy(module: Any, test: Any) -> float:
+def _evaluate_eager(task: str, module: Any, held_out: Any) -> float:
+    """The metric of a plain module (DDP's), computed as ``Trainer.evaluate`` does: accuracy over
+    every sample, or the mean of the per-batch mean losses over batches of 64 in order."""
     import torch
 
-    images, labels = test.tensors
     module.eval()
     with torch.no_grad():
-        correct = int((module(images).argmax(dim=-1) == labels).sum())
+        if task == "text":
+            losses = []
+            for start in range(0, len(held_out), 64):
+                ids = held_out.tokens[start: start + 64]
+                losses.append(float(module(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss))
+            value = sum(losses) / len(losses)
+        else:
+            images, labels = held_out.tensors
+            value = int((module(images).argmax(dim=-1) == labels).sum()) / len(labels)
     module.train()
-    return correct / len(labels)
+    return value
 
 
 def _train(rank: int, step: Any, drain: Any, evaluate: Any, args: dict[str, Any]) -> None:
     """The timed loop every mode shares; rank 0 reports its curve."""
-    train, _ = _data()
-    batches = _batches(train, rank, args["workers"], args["batch"], args["seed"])
+    task = TASKS[args["task"]]
+    train, _ = _data(task.name)
+    batches = _batches(task.name, train, rank, args["workers"], args["batch"], args["seed"])
     curve: list[tuple[int, float, float]] = []
     elapsed, first = 0.0, None
     start = time.perf_counter()
@@ -123,17 +188,15 @@ def _train(rank: int, step: Any, drain: Any, evaluate: Any, args: dict[str, Any]
             curve.append((number, elapsed, evaluate()))
             start = time.perf_counter()
     if rank == 0:
-        reached = next((seconds for _, seconds, accuracy in curve if accuracy >= args["target"]), None)
-        steps = next((number for number, _, accuracy in curve if accuracy >= args["target"]), None)
-        print(MARK + json.dumps({"curve": curve, "time_to_target": reached, "steps_to_target": steps,
-                                 "final_accuracy": curve[-1][2], "first_step": first, "train_seconds": elapsed}),
-              flush=True)  # fmt: skip
+        hits = [(number, seconds) for number, seconds, value in curve if task.reached(value, args["target"])]
+        print(MARK + json.dumps({"curve": curve, "time_to_target": hits[0][1] if hits else None,
+                                 "steps_to_target": hits[0][0] if hits else None, "final": curve[-1][2],
+                                 "first_step": first, "train_seconds": elapsed}), flush=True)  # fmt: skip
 
 
 def tandem_job(mode: str, args: dict[str, Any]) -> None:
     import torch
 
-    import tandem.optim
     from tandem import kvstore
     from tandem.trainer import Trainer
 
@@ -141,14 +204,15 @@ def tandem_job(mode: str, args: dict[str, Any]) -> None:
     if kvstore.is_server():
         sys.exit(kvstore.serve(KINDS[base]))
     torch.set_num_threads(1)
-    module, loss_fn = _model(args["seed"])
-    trainer = Trainer(module, loss_fn, tandem.optim.SGD(lr=args["lr"], momentum=args["momentum"]),
-                      kvstore=KINDS[base], communication=base.removeprefix("collective-"),
-                      gradient_compression=compression or None, update_on_kvstore=False, progress=False)  # fmt: skip
-    _, test = _data()
+    task = args["task"]
+    module, loss_fn = _model(task, args["seed"])
+    trainer = Trainer(module, loss_fn, _optimizers(task, args)[0], kvstore=KINDS[base],
+                      communication=base.removeprefix("collective-"), gradient_compression=compression or None,
+                      update_on_kvstore=False, progress=False)  # fmt: skip
+    _, held_out = _data(task)
 
     def evaluate() -> float:
-        return float(trainer.evaluate(test)["accuracy"])
+        return float(trainer.evaluate(held_out)["loss" if task == "text" else "accuracy"])
 
     _train(trainer.kvstore.rank, trainer.step, trainer.sync, evaluate, args)
     trainer.close()
@@ -162,17 +226,18 @@ def ddp_job(mode: str, rank: int, master: str, port: int, args: dict[str, Any]) 
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=args["workers"])
-    module, loss_fn = _model(args["seed"])
+    task = args["task"]
+    module, loss_fn = _model(task, args["seed"])
     wrapped = ddp_wrap(module, mode.partition("+")[2])
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=args["lr"], momentum=args["momentum"])
-    _, test = _data()
+    optimizer = _optimizers(task, args)[1](wrapped.parameters())
+    _, held_out = _data(task)
 
-    def step(images: Any, labels: Any) -> None:
+    def step(*batch: Any) -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(wrapped, images, labels).backward()
+        loss_fn(wrapped, *batch).backward()
         optimizer.step()
 
-    _train(rank, step, lambda: None, lambda: _accuracy(module, test), args)
+    _train(rank, step, lambda: None, lambda: _evaluate_eager(task, module, held_out), args)
     dist.barrier()  # neither rank tears its connections down while the other still uses them
     dist.destroy_process_group()
 
@@ -232,35 +297,62 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "time_to_target": median(run["time_to_target"] for run in hits) if reached else None,
             "less_first_step": median(run["time_to_target"] - run["first_step"] for run in hits) if reached else None,
             "steps_to_target": median(run["steps_to_target"] for run in hits) if reached else None,
-            "final_accuracy": median(run["final_accuracy"] for run in runs),
+            "final": median(run["final"] for run in runs),
             "first_step": median(run["first_step"] for run in runs),
             "train_seconds": median(run["train_seconds"] for run in runs)}  # fmt: skip
 
 
-def _plot(curves: dict[tuple[str, int], dict[str, dict[str, Any]]], target: float) -> Path:
+def _plot(task: Task, curves: dict[tuple[str, int], dict[str, dict[str, Any]]], target: float) -> Path:
+    """One panel per (workers, link rate): the metric against rank 0's training wall time, per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(curves), figsize=(7 * len(curves), 5), squeeze=False)
-    for axis, ((rate, workers), results) in zip(axes[0], curves.items()):
+    workers = sorted({count for _, count in curves})
+    rates = list(dict.fromkeys(rate for rate, _ in curves))
+    figure, axes = plt.subplots(len(workers), len(rates), figsize=(7 * len(rates), 5 * len(workers)), squeeze=False)
+    for (rate, count), results in curves.items():
+        axis = axes[workers.index(count)][rates.index(rate)]
         for mode, result in results.items():
             style = "--" if mode.startswith("ddp") else ":" if mode.startswith("collective") else "-"
             axis.plot([point[1] for point in result["curve"]], [point[2] for point in result["curve"]], style,
                       label=mode)  # fmt: skip
         axis.axhline(target, color="grey", linewidth=0.8)
-        axis.set_ylim(max(0.0, target - 0.2), 1.0)
-        axis.set_title(f"digits resnet, {workers} workers, link {rate}")
+        if task.higher_is_better:
+            axis.set_ylim(max(0.0, target - 0.2), 1.0)
+        else:
+            axis.set_ylim(target - 0.5, target + 1.5)
+        axis.set_title(f"{task.title}, {count} workers, link {rate}")
         axis.set_xlabel("training wall time, s (rank 0, evaluation excluded)")
-        axis.set_ylabel("test accuracy")
+        axis.set_ylabel(task.metric)
         axis.legend(fontsize="small", ncol=2)
     figure.tight_layout()
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / "time_to_accuracy.png"
+    path = OUT / f"time_to_accuracy_{task.name}.png"
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def _goal(task: Task, workers: int, rate: str, results: dict[str, dict[str, Any]], target: float) -> str:
+    """The goal's line for one (workers, rate): tandem's best mode against DDP's best, on the time to
+    target less the first step (capture), with the final metric within the task's band."""
+    reached = {mode: result["less_first_step"] for mode, result in results.items() if result["time_to_target"] is not None}
+    ddp = [mode for mode in reached if mode.startswith("ddp")]
+    ours = [mode for mode in reached if not mode.startswith("ddp")]
+    where = f"{workers} workers at {rate}"
+    if not ddp or not ours:
+        who = "tandem or DDP" if not ddp and not ours else "tandem" if ddp else "DDP"
+        return f"MISSED: {where}: the target was not reached by {who}"
+    best_ddp, best_ours = min(ddp, key=reached.__getitem__), min(ours, key=reached.__getitem__)
+    ratio = reached[best_ours] / reached[best_ddp]
+    final_ours, final_ddp = results[best_ours]["final"], results[best_ddp]["final"]
+    met = ratio <= 0.8 and abs(final_ours - final_ddp) <= task.band
+    return (f"{'met' if met else 'MISSED'}{'' if rate == '100mbit' else ' (goal set for 100mbit)'}: {where}: tandem's "
+            f"best ({best_ours}, {reached[best_ours]:.1f} s) reaches the target in {ratio:.2f}x the time of DDP's best "
+            f"({best_ddp}, {reached[best_ddp]:.1f} s; first step excluded), target <= 0.8x; final {task.metric} "
+            f"{final_ours:.4f} vs {final_ddp:.4f} (target {task.band_text})")  # fmt: skip
 
 
 def main() -> None:
@@ -272,21 +364,30 @@ def main() -> None:
             ddp_job(rest[0], int(rest[1]), rest[2], int(rest[3]), json.loads(rest[4]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="digits", choices=list(TASKS),
+                        help="digits: the ResNet to a test accuracy; text: the real-models example's GPT-2 to a "
+                             "validation loss")  # fmt: skip
     parser.add_argument("--rates", nargs="+", default=["100mbit"], help="tc rates, or 'none' for unshaped")
     parser.add_argument("--workers", nargs="+", type=int, default=[2])
     parser.add_argument("--modes", nargs="+", default=None, help="default: every mode (see the docstring)")
     parser.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS), choices=list(COMPRESSIONS))
-    parser.add_argument("--target", type=float, default=0.97, help="test accuracy to reach")
-    parser.add_argument("--steps", type=int, default=200, help="training steps in every mode")
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=64, help="global batch (split evenly over the workers)")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--target", type=float, default=None,
+                        help="the metric to reach (digits: test accuracy 0.97; text: validation loss 2.3)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps in every mode (digits 200, text 300)")
+    parser.add_argument("--eval-every", type=int, default=None, help="digits 10, text 20")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="global batch, split evenly over the workers (digits 64, text 32)")
+    parser.add_argument("--lr", type=float, default=None, help="digits: SGD 0.05; text: AdamW 3e-3")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD's (digits)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per mode, seeds 0..N-1 (initial weights and sample order), medians reported")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 40 steps, ddp and collective-p3 (+fp16) only; not a measurement")
     args = parser.parse_args()
+    task = TASKS[args.task]
+    for name in ("target", "steps", "eval_every", "batch", "lr"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(task, name))
     modes = args.modes or all_modes(args.compressions)
     if args.quick:
         args.steps, args.eval_every = 40, 10
@@ -299,57 +400,43 @@ def main() -> None:
     rows, goals = [], []
     for workers in args.workers:
         for rate in args.rates:
-            job = {"workers": workers, "batch": args.batch, "steps": args.steps, "eval_every": args.eval_every,
-                   "lr": args.lr, "momentum": args.momentum, "target": args.target}  # fmt: skip
+            job = {"task": task.name, "workers": workers, "batch": args.batch, "steps": args.steps,
+                   "eval_every": args.eval_every, "lr": args.lr, "momentum": args.momentum, "target": args.target}  # fmt: skip
             runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
             for seed in range(args.seeds):  # round-robin: a slow phase of the machine hits every mode alike
                 for mode in modes:
                     runs[mode].append(result := run_mode(mode, rate, workers, {**job, "seed": seed}))
                     print(f"{workers} workers, {rate}, {mode}, seed {seed}: time to target {result['time_to_target']}, "
-                          f"final accuracy {result['final_accuracy']:.4f}, first step {result['first_step']:.2f} s",
+                          f"final {task.metric} {result['final']:.4f}, first step {result['first_step']:.2f} s",
                           flush=True)  # fmt: skip
             results = curves.setdefault((rate, workers), {})
             results.update((mode, _aggregate(mode_runs)) for mode, mode_runs in runs.items())
             # the goal's clock: time to target less the first step (capture), for every mode alike
-            reached = {mode: result["less_first_step"] for mode, result in results.items()
-                       if result["time_to_target"] is not None}  # fmt: skip
-            ddp_reached = [mode for mode in reached if mode.startswith("ddp")]
-            best_ddp = min(ddp_reached, key=reached.__getitem__) if ddp_reached else None
-            ours = [mode for mode in reached if not mode.startswith("ddp")]
-            best_ours = min(ours, key=reached.__getitem__) if ours else None
+            ddp_times = [result["less_first_step"] for mode, result in results.items()
+                         if mode.startswith("ddp") and result["time_to_target"] is not None]  # fmt: skip
             for mode, result in results.items():
                 seconds = result["time_to_target"]
-                ratio = reached[mode] / reached[best_ddp] if mode in reached and best_ddp else "-"
+                less_first = result["less_first_step"]
+                ratio = less_first / min(ddp_times) if seconds is not None and ddp_times else "-"
                 rows.append([workers, rate, mode, "not reached" if seconds is None else seconds,
-                             reached.get(mode, "-"), result["steps_to_target"] or "-", result["final_accuracy"], ratio,
-                             result["first_step"], result["train_seconds"]]
+                             "-" if less_first is None else less_first, result["steps_to_target"] or "-",
+                             result["final"], ratio, result["first_step"], result["train_seconds"]]
                             + ([f"{result['reached_runs']}/{result['runs']}"] if args.seeds > 1 else []))  # fmt: skip
-            if best_ddp and best_ours:
-                ratio = reached[best_ours] / reached[best_ddp]
-                gap = (results[best_ours]["final_accuracy"] - results[best_ddp]["final_accuracy"]) * 100
-                met = ratio <= 0.8 and abs(gap) <= 0.5
-                goals.append(f"{'met' if met else 'MISSED'}{'' if rate == '100mbit' else ' (goal set for 100mbit)'}: "
-                             f"{workers} workers at {rate}: tandem's best ({best_ours}, {reached[best_ours]:.1f} s) "
-                             f"reaches {args.target:.0%} in {ratio:.2f}x the time of DDP's best ({best_ddp}, "
-                             f"{reached[best_ddp]:.1f} s; first step excluded), target <= 0.8x; final accuracy "
-                             f"{results[best_ours]['final_accuracy']:.4f} vs {results[best_ddp]['final_accuracy']:.4f}"
-                             f" ({gap:+.2f} points, target within 0.5)")  # fmt: skip
-            else:
-                goals.append(f"MISSED: {workers} workers at {rate}: the target was not reached by "
-                             f"{'DDP' if not best_ddp else 'tandem'} in {args.steps} steps")  # fmt: skip
+            goals.append(_goal(task, workers, rate, results, args.target))
     table = markdown_table(["workers", "link", "mode", "time to target s", "less first step s", "steps to target",
-                            "final accuracy", "vs best ddp (less first step)", "first step s", f"{args.steps} steps s"]
-                           + (["runs reaching target"] if args.seeds > 1 else []), rows)  # fmt: skip
-    note = (f"digits ResNet (depth 8, width 16), global batch {args.batch}, SGD lr {args.lr} momentum {args.momentum}, "
-            f"{args.steps} steps, target test accuracy {args.target}, evaluated every {args.eval_every} steps; "
-            "training wall time of rank 0 from its first step (first step and drains included, evaluation "
-            "excluded); 'less first step': the same less the first step's time (capture), which the goal and the "
-            "ratios use; " + ("one run per mode" if args.seeds == 1 else
+                            f"final {task.metric}", "vs best ddp (less first step)", "first step s",
+                            f"{args.steps} steps s"] + (["runs reaching target"] if args.seeds > 1 else []), rows)  # fmt: skip
+    optimizer = (f"AdamW lr {args.lr} weight decay {WEIGHT_DECAY}" if task.name == "text"
+                 else f"SGD lr {args.lr} momentum {args.momentum}")  # fmt: skip
+    note = (f"{task.title}, global batch {args.batch}, {optimizer}, {args.steps} steps, target {task.metric} "
+            f"{args.target}, evaluated every {args.eval_every} steps; training wall time of rank 0 from its first "
+            "step (first step and drains included, evaluation excluded); 'less first step': the same less the first "
+            "step's time (capture), which the goal and the ratios use; " + ("one run per mode" if args.seeds == 1 else
                               f"medians of {args.seeds} runs per mode (seeds 0-{args.seeds - 1}), the target counted "
                               "as reached where at least half the runs reached it") + (" (--quick: a smoke run, not a measurement)" if args.quick else ""))  # fmt: skip
     goal_text = "\n".join(f"- {line}" for line in goals)
-    report = write_report("time_to_accuracy", f"{note}\n\n{table}\n\nGoal:\n\n{goal_text}")
-    plot = _plot(curves, args.target)
+    report = write_report(f"time_to_accuracy_{task.name}", f"{note}\n\n{table}\n\nGoal:\n\n{goal_text}")
+    plot = _plot(task, curves, args.target)
     print(f"\n{note}\n{table}\n\nGoal:\n{goal_text}\n\nwritten {report} and {plot}\nreproduce: {command_line()}")
 
 
