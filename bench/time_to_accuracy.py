@@ -335,9 +335,20 @@ def _plot(task: Task, curves: dict[tuple[str, int], dict[str, dict[str, Any]]], 
     return path
 
 
-def _goal(task: Task, workers: int, rate: str, results: dict[str, dict[str, Any]], target: float) -> str:
+def _fp16_wire_ms(parameters: int, workers: int, rate: str) -> float | None:
+    """Milliseconds a step's fp16 gradients keep each worker's link busy in a ring all-reduce (each
+    worker sends 2(n-1)/n of them: DDP+fp16's and collective+fp16's bytes); None on an unshaped link."""
+    from tandem.netns import parse_rate
+
+    return None if rate == "none" else parameters * 2 * 8 * 2 * (workers - 1) / workers / parse_rate(rate) * 1e3
+
+
+def _goal(task: Task, workers: int, rate: str, results: dict[str, dict[str, Any]], target: float,
+          parameters: int) -> str:  # fmt: skip
     """The goal's line for one (workers, rate): tandem's best mode against DDP's best, on the time to
-    target less the first step (capture), with the final metric within the task's band."""
+    target less the first step (capture), with the final metric within the task's band; on a shaped
+    link, also DDP's best per step against the wire time of fp16 gradients (what bounds every mode
+    that sends them)."""
     reached = {mode: result["less_first_step"] for mode, result in results.items() if result["time_to_target"] is not None}
     ddp = [mode for mode in reached if mode.startswith("ddp")]
     ours = [mode for mode in reached if not mode.startswith("ddp")]
@@ -349,10 +360,20 @@ def _goal(task: Task, workers: int, rate: str, results: dict[str, dict[str, Any]
     ratio = reached[best_ours] / reached[best_ddp]
     final_ours, final_ddp = results[best_ours]["final"], results[best_ddp]["final"]
     met = ratio <= 0.8 and abs(final_ours - final_ddp) <= task.band
+    wire = _fp16_wire_ms(parameters, workers, rate)
     return (f"{'met' if met else 'MISSED'}{'' if rate == '100mbit' else ' (goal set for 100mbit)'}: {where}: tandem's "
             f"best ({best_ours}, {reached[best_ours]:.1f} s) reaches the target in {ratio:.2f}x the time of DDP's best "
             f"({best_ddp}, {reached[best_ddp]:.1f} s; first step excluded), target <= 0.8x; final {task.metric} "
-            f"{final_ours:.4f} vs {final_ddp:.4f} (target {task.band_text})")  # fmt: skip
+            f"{final_ours:.4f} vs {final_ddp:.4f} (target {task.band_text}){_wire_text(results[best_ddp], wire)}")  # fmt: skip
+
+
+def _wire_text(best_ddp: dict[str, Any], wire_ms: float | None) -> str:
+    if wire_ms is None or best_ddp["steps_to_target"] <= 1:
+        return ""
+    per_step = best_ddp["less_first_step"] / (best_ddp["steps_to_target"] - 1) * 1e3
+    return (f"; DDP's best took {per_step:.1f} ms a step to the target, and fp16 gradients keep a worker's link busy "
+            f"{wire_ms:.1f} ms a step (ring all-reduce), so 0.8x of DDP's best is {0.8 * per_step / wire_ms:.2f}x "
+            "that wire time")  # fmt: skip
 
 
 def main() -> None:
@@ -396,6 +417,7 @@ def main() -> None:
         parser.error("--seeds must be at least 1")
     if any(args.batch % workers for workers in args.workers):
         parser.error(f"--batch {args.batch} must split evenly over --workers {args.workers}")
+    parameters = sum(parameter.numel() for parameter in _model(task.name)[0].parameters())
     curves: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     rows, goals = [], []
     for workers in args.workers:
@@ -422,7 +444,7 @@ def main() -> None:
                              "-" if less_first is None else less_first, result["steps_to_target"] or "-",
                              result["final"], ratio, result["first_step"], result["train_seconds"]]
                             + ([f"{result['reached_runs']}/{result['runs']}"] if args.seeds > 1 else []))  # fmt: skip
-            goals.append(_goal(task, workers, rate, results, args.target))
+            goals.append(_goal(task, workers, rate, results, args.target, parameters))
     table = markdown_table(["workers", "link", "mode", "time to target s", "less first step s", "steps to target",
                             f"final {task.metric}", "vs best ddp (less first step)", "first step s",
                             f"{args.steps} steps s"] + (["runs reaching target"] if args.seeds > 1 else []), rows)  # fmt: skip
