@@ -1,8 +1,13 @@
-"""Time to accuracy: wall time until the test accuracy first reaches a target, per mode, over a shaped network.
+"""Time to accuracy: wall time until a held-out metric first reaches a target, per mode, over a shaped network.
 
-ResNet (zoo ``resnet``, the ``digits`` preset of ``tandem train``: depth 8, width 16, 1 input channel)
-on the digits (1437 train / 360 test images), data-parallel on ``--workers`` workers, each process in
-its own network namespace with its NIC shaped to the link rate (as bench/p3.py). Modes:
+Two tasks (``--task``):
+- digits: ResNet (zoo ``resnet``, the ``digits`` preset of ``tandem train``: depth 8, width 16, 1
+  input channel) on the digits (1437 train / 360 test images), SGD with momentum, to a test accuracy;
+- text: the real-models example's LM (transformers' ``GPT2LMHeadModel``, ``tandem.models.LIBRARY``'s
+  byte-level ``hf-gpt2``) on Python's help texts (``tandem.data.pydoc_text``: 6557 train / 728
+  validation blocks of 64 bytes), AdamW as ``scripts/train_lm.sh``, to a validation loss.
+Data-parallel on ``--workers`` workers, each process in its own network namespace with its NIC shaped
+to the link rate (as bench/p3.py). Modes:
 - baseline, overlap, p3: the parameter server (``dist_sync``, ``dist_sync``, ``dist_p3``), 2 servers;
 - collective-p3: ``kvstore="collective"``, workers only;
   each of them also with gradient compression (``+fp16``, ``+2bit`` with error feedback);
@@ -12,7 +17,7 @@ its own network namespace with its NIC shaped to the link rate (as bench/p3.py).
 The same everywhere: initial weights and sample order (seed 0; ``--seeds N`` runs every mode with
 seeds 0..N-1, round-robin over the modes, and reports medians), global batch (``--batch``, split evenly over the
 workers), the order of the samples (one permutation per epoch, each global batch cut into one
-contiguous piece per worker), SGD with the same learning rate and momentum, gradients averaged over
+contiguous piece per worker), the same optimizer and learning rate, gradients averaged over
 the workers, the optimizer on the workers (``update_on_kvstore=False``: the parameter-server pulls
 carry the round's sum, compressed like the pushes), one torch thread per process.
 
@@ -20,14 +25,15 @@ Timing: each worker's clock starts just before its first training step, after pr
 the process group / kvstore rendezvous and model construction; it includes the first step (where
 tandem captures and plans the step: the column "first step s" shows what it cost). Every
 ``--eval-every`` steps both workers drain outstanding communication (``Trainer.sync``; timed), then
-stop their clocks, evaluate on the whole test split (untimed) and start them again. Time to target
+stop their clocks, evaluate on the whole held-out split (untimed) and start them again. Time to target
 is rank 0's clock at the first evaluation reaching ``--target``; training goes on to ``--steps``
-steps in every mode, and the final accuracy is the last evaluation's. The goal is judged on the
+steps in every mode, and the final metric is the last evaluation's. The goal is judged on the
 time to target less the first step (capture is paid once per run, whatever its length; DDP's first
 step is subtracted alike); the table shows both.
 
-Reproduce: python bench/time_to_accuracy.py   (as root for shaped links; --quick for a smoke run)
-Writes bench/out/time_to_accuracy.md and bench/out/time_to_accuracy.png.
+Reproduce: python bench/time_to_accuracy.py [--task text]   (as root for shaped links; --quick for a smoke run)
+Writes bench/out/time_to_accuracy_<task>.md, .png and _raw.json (every run, written as it ends;
+``--report-only`` rewrites the report and plot from it).
 """
 
 from __future__ import annotations
@@ -402,6 +408,8 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD's (digits)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per mode, seeds 0..N-1 (initial weights and sample order), medians reported")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the report and plot from bench/out/time_to_accuracy_<task>_raw.json")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 40 steps, ddp and collective-p3 (+fp16) only; not a measurement")
     args = parser.parse_args()
@@ -417,50 +425,94 @@ def main() -> None:
         parser.error("--seeds must be at least 1")
     if any(args.batch % workers for workers in args.workers):
         parser.error(f"--batch {args.batch} must split evenly over --workers {args.workers}")
+    raw_path = OUT / f"time_to_accuracy_{task.name}_raw.json"
+    if args.report_only:
+        raw = json.loads(raw_path.read_text())
+    else:
+        raw = {"settings": {name: getattr(args, name) for name in SETTINGS}, "modes": modes, "runs": {}}
+        OUT.mkdir(parents=True, exist_ok=True)
+        for workers in args.workers:
+            for rate in args.rates:
+                job = {"task": task.name, "workers": workers, "batch": args.batch, "steps": args.steps,
+                       "eval_every": args.eval_every, "lr": args.lr, "momentum": args.momentum,
+                       "target": args.target}  # fmt: skip
+                runs = raw["runs"].setdefault(f"{workers} {rate}", {mode: [] for mode in modes})
+                for seed in range(args.seeds):  # round-robin: a slow phase of the machine hits every mode alike
+                    for mode in modes:
+                        runs[mode].append(result := run_mode(mode, rate, workers, {**job, "seed": seed}))
+                        raw_path.write_text(json.dumps(raw))  # after every job: a crash keeps what ran
+                        print(f"{workers} workers, {rate}, {mode}, seed {seed}: time to target "
+                              f"{result['time_to_target']}, final {task.metric} {result['final']:.4f}, first step "
+                              f"{result['first_step']:.2f} s", flush=True)  # fmt: skip
+    _write(task, raw)
+
+
+SETTINGS = ("target", "steps", "eval_every", "batch", "lr", "momentum", "seeds", "quick")  # what a report states
+
+
+def _write(task: Task, raw: dict[str, Any]) -> None:
+    """The report (per-run table, summary by setting, goal lines) and the plot, from the raw results."""
+    settings = raw["settings"]
     parameters = sum(parameter.numel() for parameter in _model(task.name)[0].parameters())
+    seeds = settings["seeds"]
     curves: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     rows, goals = [], []
-    for workers in args.workers:
-        for rate in args.rates:
-            job = {"task": task.name, "workers": workers, "batch": args.batch, "steps": args.steps,
-                   "eval_every": args.eval_every, "lr": args.lr, "momentum": args.momentum, "target": args.target}  # fmt: skip
-            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
-            for seed in range(args.seeds):  # round-robin: a slow phase of the machine hits every mode alike
-                for mode in modes:
-                    runs[mode].append(result := run_mode(mode, rate, workers, {**job, "seed": seed}))
-                    print(f"{workers} workers, {rate}, {mode}, seed {seed}: time to target {result['time_to_target']}, "
-                          f"final {task.metric} {result['final']:.4f}, first step {result['first_step']:.2f} s",
-                          flush=True)  # fmt: skip
-            results = curves.setdefault((rate, workers), {})
-            results.update((mode, _aggregate(mode_runs)) for mode, mode_runs in runs.items())
-            # the goal's clock: time to target less the first step (capture), for every mode alike
-            ddp_times = [result["less_first_step"] for mode, result in results.items()
-                         if mode.startswith("ddp") and result["time_to_target"] is not None]  # fmt: skip
-            for mode, result in results.items():
-                seconds = result["time_to_target"]
-                less_first = result["less_first_step"]
-                ratio = less_first / min(ddp_times) if seconds is not None and ddp_times else "-"
-                rows.append([workers, rate, mode, "not reached" if seconds is None else seconds,
-                             "-" if less_first is None else less_first, result["steps_to_target"] or "-",
-                             result["final"], ratio, result["first_step"], result["train_seconds"]]
-                            + ([f"{result['reached_runs']}/{result['runs']}"] if args.seeds > 1 else []))  # fmt: skip
-            goals.append(_goal(task, workers, rate, results, args.target, parameters))
+    for key, runs in raw["runs"].items():
+        workers_text, rate = key.split(" ")
+        workers = int(workers_text)
+        if any(not mode_runs for mode_runs in runs.values()):
+            continue  # a setting a crashed run did not finish
+        results = curves.setdefault((rate, workers), {})
+        results.update((mode, _aggregate(mode_runs)) for mode, mode_runs in runs.items())
+        # the goal's clock: time to target less the first step (capture), for every mode alike
+        ddp_times = [result["less_first_step"] for mode, result in results.items()
+                     if mode.startswith("ddp") and result["time_to_target"] is not None]  # fmt: skip
+        for mode, result in results.items():
+            seconds, less_first = result["time_to_target"], result["less_first_step"]
+            ratio = less_first / min(ddp_times) if seconds is not None and ddp_times else "-"
+            rows.append([workers, rate, mode, "not reached" if seconds is None else seconds,
+                         "-" if less_first is None else less_first, result["steps_to_target"] or "-",
+                         result["final"], ratio, result["first_step"], result["train_seconds"]]
+                        + ([f"{result['reached_runs']}/{result['runs']}"] if seeds > 1 else []))  # fmt: skip
+        goals.append(_goal(task, workers, rate, results, settings["target"], parameters))
+    steps = settings["steps"]
     table = markdown_table(["workers", "link", "mode", "time to target s", "less first step s", "steps to target",
                             f"final {task.metric}", "vs best ddp (less first step)", "first step s",
-                            f"{args.steps} steps s"] + (["runs reaching target"] if args.seeds > 1 else []), rows)  # fmt: skip
-    optimizer = (f"AdamW lr {args.lr} weight decay {WEIGHT_DECAY}" if task.name == "text"
-                 else f"SGD lr {args.lr} momentum {args.momentum}")  # fmt: skip
-    note = (f"{task.title}, global batch {args.batch}, {optimizer}, {args.steps} steps, target {task.metric} "
-            f"{args.target}, evaluated every {args.eval_every} steps; training wall time of rank 0 from its first "
-            "step (first step and drains included, evaluation excluded); 'less first step': the same less the first "
-            "step's time (capture), which the goal and the ratios use; " + ("one run per mode" if args.seeds == 1 else
-                              f"medians of {args.seeds} runs per mode (seeds 0-{args.seeds - 1}), the target counted "
-                              "as reached where at least half the runs reached it") + (" (--quick: a smoke run, not a measurement)" if args.quick else ""))  # fmt: skip
+                            f"{steps} steps s"] + (["runs reaching target"] if seeds > 1 else []), rows)  # fmt: skip
+    summary = _summary(curves)
+    optimizer = (f"AdamW lr {settings['lr']} weight decay {WEIGHT_DECAY}" if task.name == "text"
+                 else f"SGD lr {settings['lr']} momentum {settings['momentum']}")  # fmt: skip
+    note = (f"{task.title} ({parameters} parameters), global batch {settings['batch']}, {optimizer}, {steps} steps, "
+            f"target {task.metric} {settings['target']}, evaluated every {settings['eval_every']} steps; training "
+            "wall time of rank 0 from its first step (first step and drains included, evaluation excluded); 'less "
+            "first step': the same less the first step's time (capture), which the goal and the ratios use; "
+            + ("one run per mode" if seeds == 1 else f"medians of {seeds} runs per mode (seeds 0-{seeds - 1}), the "
+               "target counted as reached where at least half the runs reached it")
+            + (" (--quick: a smoke run, not a measurement)" if settings["quick"] else ""))  # fmt: skip
     goal_text = "\n".join(f"- {line}" for line in goals)
-    report = write_report(f"time_to_accuracy_{task.name}", f"{note}\n\n{table}\n\nGoal:\n\n{goal_text}")
-    plot = _plot(task, curves, args.target)
-    print(f"\n{note}\n{table}\n\nGoal:\n{goal_text}\n\nwritten {report} and {plot}\nreproduce: {command_line()}")
+    text = f"{note}\n\n{table}\n\nSummary (less first step s, steps to target in brackets):\n\n{summary}\n\nGoal:\n\n{goal_text}"
+    report = write_report(f"time_to_accuracy_{task.name}", text)
+    plot = _plot(task, curves, settings["target"])
+    print(f"\n{text}\n\nwritten {report} and {plot}\nreproduce: {command_line()}")
 
+
+def _summary(curves: dict[tuple[str, int], dict[str, dict[str, Any]]]) -> str:
+    """Modes down, (workers, link) across: time to target less the first step, and its steps."""
+    columns = list(curves)  # in the order run: workers, then link rate
+    modes = list(dict.fromkeys(mode for setting in columns for mode in curves[setting]))
+    rows = []
+    for mode in modes:
+        cells: list[Any] = [mode]
+        for setting in columns:
+            result = curves[setting].get(mode)
+            if result is None:
+                cells.append("")
+            elif result["time_to_target"] is None:
+                cells.append("not reached")
+            else:
+                cells.append(f"{result['less_first_step']:.3g} ({result['steps_to_target']})")
+        rows.append(cells)
+    return markdown_table(["mode", *(f"{workers} workers, {rate}" for rate, workers in columns)], rows)
 
 if __name__ == "__main__":
     main()
