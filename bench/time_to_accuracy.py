@@ -214,7 +214,7 @@ def tandem_job(mode: str, args: dict[str, Any]) -> None:
     module, loss_fn = _model(task, args["seed"])
     trainer = Trainer(module, loss_fn, _optimizers(task, args)[0], kvstore=KINDS[base],
                       communication=base.removeprefix("collective-"), gradient_compression=compression or None,
-                      update_on_kvstore=False, progress=False)  # fmt: skip
+                      update_on_kvstore=False, progress=False, backend=args.get("backend", "aten"))  # fmt: skip
     _, held_out = _data(task)
 
     def evaluate() -> float:
@@ -236,6 +236,8 @@ def ddp_job(mode: str, rank: int, master: str, port: int, args: dict[str, Any]) 
     module, loss_fn = _model(task, args["seed"])
     wrapped = ddp_wrap(module, mode.partition("+")[2])
     optimizer = _optimizers(task, args)[1](wrapped.parameters())
+    if args.get("backend", "aten") == "inductor":  # the like-for-like peer: DDP under torch.compile (inductor)
+        wrapped = torch.compile(wrapped)
     _, held_out = _data(task)
 
     def step(*batch: Any) -> None:
@@ -308,8 +310,15 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "train_seconds": median(run["train_seconds"] for run in runs)}  # fmt: skip
 
 
-def _plot(task: Task, curves: dict[tuple[str, int], dict[str, dict[str, Any]]], target: float) -> Path:
+def _stem(task: Task, settings: dict[str, Any]) -> str:
+    """The outputs' name: time_to_accuracy_<task>, and _inductor with that backend."""
+    backend = settings.get("backend", "aten")
+    return f"time_to_accuracy_{task.name}{'' if backend == 'aten' else '_' + backend}"
+
+
+def _plot(task: Task, curves: dict[tuple[str, int], dict[str, dict[str, Any]]], settings: dict[str, Any]) -> Path:
     """One panel per (workers, link rate): the metric against rank 0's training wall time, per mode."""
+    target, backend = settings["target"], settings.get("backend", "aten")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -329,13 +338,13 @@ def _plot(task: Task, curves: dict[tuple[str, int], dict[str, dict[str, Any]]], 
             axis.set_ylim(max(0.0, target - 0.2), 1.0)
         else:
             axis.set_ylim(target - 0.5, target + 1.5)
-        axis.set_title(f"{task.title}, {count} workers, link {rate}")
+        axis.set_title(f"{task.title}, {count} workers, link {rate}" + ("" if backend == "aten" else f", {backend}"))
         axis.set_xlabel("training wall time, s (rank 0, evaluation excluded)")
         axis.set_ylabel(task.metric)
         axis.legend(fontsize="small", ncol=2)
     figure.tight_layout()
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"time_to_accuracy_{task.name}.png"
+    path = OUT / f"{_stem(task, settings)}.png"
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
@@ -408,6 +417,8 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD's (digits)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per mode, seeds 0..N-1 (initial weights and sample order), medians reported")
+    parser.add_argument("--backend", default="aten", choices=["aten", "inductor"],
+                        help="tandem's backend; with inductor the DDP modes run under torch.compile too")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report and plot from bench/out/time_to_accuracy_<task>_raw.json")
     parser.add_argument("--quick", action="store_true",
@@ -425,7 +436,7 @@ def main() -> None:
         parser.error("--seeds must be at least 1")
     if any(args.batch % workers for workers in args.workers):
         parser.error(f"--batch {args.batch} must split evenly over --workers {args.workers}")
-    raw_path = OUT / f"time_to_accuracy_{task.name}_raw.json"
+    raw_path = OUT / f"time_to_accuracy_{task.name}{'' if args.backend == 'aten' else '_' + args.backend}_raw.json"
     if args.report_only:
         raw = json.loads(raw_path.read_text())
     else:
@@ -435,7 +446,7 @@ def main() -> None:
             for rate in args.rates:
                 job = {"task": task.name, "workers": workers, "batch": args.batch, "steps": args.steps,
                        "eval_every": args.eval_every, "lr": args.lr, "momentum": args.momentum,
-                       "target": args.target}  # fmt: skip
+                       "target": args.target, "backend": args.backend}  # fmt: skip
                 runs = raw["runs"].setdefault(f"{workers} {rate}", {mode: [] for mode in modes})
                 for seed in range(args.seeds):  # round-robin: a slow phase of the machine hits every mode alike
                     for mode in modes:
@@ -447,7 +458,7 @@ def main() -> None:
     _write(task, raw)
 
 
-SETTINGS = ("target", "steps", "eval_every", "batch", "lr", "momentum", "seeds", "quick")  # what a report states
+SETTINGS = ("target", "steps", "eval_every", "batch", "lr", "momentum", "seeds", "quick", "backend")  # what a report states
 
 
 def _write(task: Task, raw: dict[str, Any]) -> None:
@@ -488,11 +499,12 @@ def _write(task: Task, raw: dict[str, Any]) -> None:
             "first step': the same less the first step's time (capture), which the goal and the ratios use; "
             + ("one run per mode" if seeds == 1 else f"medians of {seeds} runs per mode (seeds 0-{seeds - 1}), the "
                "target counted as reached where at least half the runs reached it")
-            + (" (--quick: a smoke run, not a measurement)" if settings["quick"] else ""))  # fmt: skip
+            + ("" if settings.get("backend", "aten") == "aten" else "; tandem's modes with backend=\"inductor\", "
+               "DDP's under torch.compile") + (" (--quick: a smoke run, not a measurement)" if settings["quick"] else ""))  # fmt: skip
     goal_text = "\n".join(f"- {line}" for line in goals)
     text = f"{note}\n\n{table}\n\nSummary (less first step s, steps to target in brackets):\n\n{summary}\n\nGoal:\n\n{goal_text}"
-    report = write_report(f"time_to_accuracy_{task.name}", text)
-    plot = _plot(task, curves, settings["target"])
+    report = write_report(_stem(task, settings), text)
+    plot = _plot(task, curves, settings)
     print(f"\n{text}\n\nwritten {report} and {plot}\nreproduce: {command_line()}")
 
 
