@@ -318,12 +318,12 @@ def _stem(task: Task, settings: dict[str, Any]) -> str:
 
 def _plot(task: Task, curves: dict[tuple[str, int], dict[str, dict[str, Any]]], settings: dict[str, Any]) -> Path:
     """One panel per (workers, link rate): the metric against rank 0's training wall time, per mode."""
-    target, backend = settings["target"], settings.get("backend", "aten")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    target, backend = settings["target"], settings.get("backend", "aten")
     workers = sorted({count for _, count in curves})
     rates = list(dict.fromkeys(rate for rate, _ in curves))
     figure, axes = plt.subplots(len(workers), len(rates), figsize=(7 * len(rates), 5 * len(workers)), squeeze=False)
