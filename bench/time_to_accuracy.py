@@ -140,6 +140,7 @@ def _batches(task: str, train: Any, rank: int, workers: int, batch: int, seed: i
     """This worker's piece of each global batch (a step's positional arguments), forever: one
     permutation per epoch, full batches only."""
     import torch
+    from torch.utils.data import default_collate
 
     samples = train.tokens if task == "text" else train.tensors[0]
     per_worker = batch // workers
@@ -148,9 +149,8 @@ def _batches(task: str, train: Any, rank: int, workers: int, batch: int, seed: i
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         for start in range(0, len(order) - batch + 1, batch):
             mine = order[start + rank * per_worker: start + (rank + 1) * per_worker]
-            if task == "text":
-                ids = train.tokens[mine]
-                yield ({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids},)
+            if task == "text":  # the data set's own items, stacked: {"input_ids", "attention_mask", "labels"}
+                yield (default_collate([train[index] for index in mine.tolist()]),)
             else:
                 yield train.tensors[0][mine], train.tensors[1][mine]
         epoch += 1
@@ -158,16 +158,16 @@ def _batches(task: str, train: Any, rank: int, workers: int, batch: int, seed: i
 
 def _evaluate_eager(task: str, module: Any, held_out: Any) -> float:
     """The metric of a plain module (DDP's), computed as ``Trainer.evaluate`` does: accuracy over
-    every sample, or the mean of the per-batch mean losses over batches of 64 in order."""
+    every sample, or the mean of the per-batch mean losses over its batches, in order."""
     import torch
+
+    from tandem.data import loader
+    from tandem.trainer import TrainerConfig
 
     module.eval()
     with torch.no_grad():
-        if task == "text":
-            losses = []
-            for start in range(0, len(held_out), 64):
-                ids = held_out.tokens[start: start + 64]
-                losses.append(float(module(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss))
+        if task == "text":  # the tandem modes' Trainer.evaluate batches at its default batch_size
+            losses = [float(module(**batch).loss) for batch in loader(held_out, TrainerConfig.batch_size)]
             value = sum(losses) / len(losses)
         else:
             images, labels = held_out.tensors
