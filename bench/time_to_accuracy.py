@@ -436,7 +436,7 @@ def main() -> None:
         parser.error("--seeds must be at least 1")
     if any(args.batch % workers for workers in args.workers):
         parser.error(f"--batch {args.batch} must split evenly over --workers {args.workers}")
-    raw_path = OUT / f"time_to_accuracy_{task.name}{'' if args.backend == 'aten' else '_' + args.backend}_raw.json"
+    raw_path = OUT / f"{_stem(task, {'backend': args.backend})}_raw.json"
     if args.report_only:
         raw = json.loads(raw_path.read_text())
     else:
