@@ -134,8 +134,12 @@ def add_to_residual(residuals: dict[Any, torch.Tensor], key: Any, flat: torch.Te
     return total
 
 
-def encode_into_residual(config: GradientCompression, total: torch.Tensor) -> torch.Tensor:
-    """The compressed form of ``total`` (gradient plus residual, flat), leaving in ``total`` what it omits."""
+def encode_into_residual(config: GradientCompression, total: torch.Tensor, summands: int = 1) -> torch.Tensor:
+    """The compressed form of ``total`` (gradient plus residual, flat), leaving in ``total`` what it omits.
+
+    ``summands``: how many such values will be summed in the compressed type itself (a 16-bit
+    all-reduce); fp16 values are then clamped to its range divided by that many, so the sum cannot
+    overflow either."""
     if config.type == "2bit":
         threshold = config.threshold
         positive, negative = total >= threshold, total <= -threshold
@@ -143,11 +147,18 @@ def encode_into_residual(config: GradientCompression, total: torch.Tensor) -> to
         total.add_(negative.to(total.dtype), alpha=threshold).sub_(positive.to(total.dtype), alpha=threshold)
         return _pack_2bit(codes)
     if config.type == "fp16":
-        sent = total.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)  # overflow stays in the residual
+        bound = _FP16_MAX / summands
+        sent = total.clamp(-bound, bound).to(torch.float16)  # overflow stays in the residual
     else:
         sent = total.to(_CASTS[config.type])
     total.sub_(sent.to(total.dtype))
     return sent
+
+
+def summable(config: GradientCompression) -> bool:
+    """Compressed values of this kind can be summed as they are (16-bit floats: all-reduced in
+    16 bits, as DDP's fp16 and bf16 hooks do); 2-bit codes cannot."""
+    return config.type in _CASTS
 
 
 def frames_of(config: GradientCompression, data: torch.Tensor) -> list[memoryview]:

@@ -923,8 +923,8 @@ class _CollectiveSim:
     queued asks for a round.
 
     A collective (a round too) takes ``allreduce_seconds`` on the ring and its worker's CPU ``2 (W-1)``
-    steps of a send and a receive (``single_message_s`` each, ``byte_s`` per byte); with compression the
-    store all-gathers the compressed slices instead (``allgather_seconds``, ``W-1`` steps). It ends
+    steps of a send and a receive (``single_message_s`` each, ``byte_s`` per byte); fp16 and bf16
+    slices are all-reduced in 16 bits, 2-bit codes all-gathered (``allgather_seconds``, ``W-1`` steps). It ends
     once both are done. That CPU shares the worker's cores with its compute (``CPU``; on a shared
     host each worker has ``cores / W`` of them), so communication slows compute where cores are
     few. Every wait of the compute is exposed communication (``idle_s`` is 0): rounds, the ring and
@@ -1021,7 +1021,7 @@ class _CollectiveSim:
         if self.ring and not self.ring_busy:
             self.ring_busy, unit = True, self.ring.popleft()
             numel = sum(self.slices[param][number] for param, number, _ in unit)
-            self.collective(numel * 4 / self.ratio, partial(self.complete, unit), gather=self.ratio != 1)
+            self.collective(numel * 4 / self.ratio, partial(self.complete, unit), gather=self.s.compression == "2bit")
 
     def complete(self, unit: list[tuple[int, int, int]]) -> None:
         self.ring_busy = False

@@ -45,6 +45,7 @@ from tandem.kvstore.compression import (
     add_to_residual,
     decode_tensor,
     encode_into_residual,
+    summable,
 )
 from tandem.kvstore.errors import KVStoreError
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue
@@ -205,13 +206,19 @@ class Scheduler:
         compression = first.operation.compression
         finish: Callable[[], None]
         if compression is not None:
+            summed = summable(compression)  # 16-bit floats are all-reduced as they are; 2-bit codes all-gathered
             encoded = [encode_into_residual(compression, add_to_residual(self._residuals, part.operation.index,
-                                                                          part.operation.value, part.start, part.stop))
+                                                                          part.operation.value, part.start, part.stop),
+                                            self.size if summed else 1)
                        for part in unit]  # fmt: skip
             sent = encoded[0] if len(encoded) == 1 else torch.cat(encoded)
-            gathered = [torch.empty_like(sent) for _ in range(self.size)]
-            work = self.data.allgather([gathered], [sent])
-            finish = _Decode(unit, [part.numel() for part in encoded], gathered)
+            if summed:  # half the bytes of an all-gather from 4 workers on: a ring all-reduce moves 2(n-1)/n
+                work = self.data.allreduce([sent])
+                finish = _Unfuse(unit, sent)  # the copy widens the 16-bit sum into each target
+            else:
+                gathered = [torch.empty_like(sent) for _ in range(self.size)]
+                work = self.data.allgather([gathered], [sent])
+                finish = _Decode(unit, [part.numel() for part in encoded], gathered)
         elif len(unit) == 1:
             operation = first.operation
             target = operation.target[first.start : first.stop]
@@ -354,7 +361,8 @@ def _fusible(first: Operation, other: Operation) -> bool:
 
 
 class _Unfuse:
-    """A fused unit's completion: each slice's piece of the summed buffer, into its operation's target."""
+    """A fused unit's completion: each slice's piece of the summed buffer, into its operation's target
+    (widened to the target's dtype where the buffer is a 16-bit compressed sum)."""
 
     __slots__ = ("unit", "fused")
 

@@ -8,8 +8,10 @@ dist_sync store without a server-side optimizer stores, this one computes: the s
 pushes, which ``pushpull`` writes into ``out`` and ``pull`` returns. Optimizers run on the workers
 (the Trainer applies each parameter's update to the summed gradient on every worker, so the
 parameters stay identical everywhere). Gradient compression compresses each worker's slice (with
-its error-feedback residual) and all-gathers the compressed slices: every worker decodes and sums
-the same values in rank order, so all get the same sum. ``slice_size="auto"`` tunes the slice size,
+its error-feedback residual). fp16 and bf16 slices are all-reduced in 16 bits, as DDP's fp16 and
+bf16 hooks do (fp16 values clamped so that the sum of every worker's stays in range); the
+all-reduce gives every worker the same sum. 2-bit codes cannot be summed as they are: those slices
+are all-gathered, and every worker decodes and sums the same values in rank order. ``slice_size="auto"`` tunes the slice size,
 water mark and send timing with P3's tuner, its scores averaged over the workers through the
 rendezvous store, so that every worker switches at the same step.
 """
