@@ -56,10 +56,11 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def write_report(name: str, text: str) -> Path:
+def write_report(name: str, text: str, command: str | None = None) -> Path:
+    """``bench/out/<name>.md``: the command that measured it (this process's unless given) and ``text``."""
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.md"
-    path.write_text(f"Command: `{command_line()}`\n\n{text}\n")
+    path.write_text(f"Command: `{command or command_line()}`\n\n{text}\n")
     return path
 
 

@@ -440,7 +440,8 @@ def main() -> None:
     if args.report_only:
         raw = json.loads(raw_path.read_text())
     else:
-        raw = {"settings": {name: getattr(args, name) for name in SETTINGS}, "modes": modes, "runs": {}}
+        raw = {"settings": {name: getattr(args, name) for name in SETTINGS}, "modes": modes, "runs": {},
+               "command": command_line()}  # what --report-only's report names: the run's command, not its own
         OUT.mkdir(parents=True, exist_ok=True)
         for workers in args.workers:
             for rate in args.rates:
@@ -503,9 +504,10 @@ def _write(task: Task, raw: dict[str, Any]) -> None:
                "DDP's under torch.compile") + (" (--quick: a smoke run, not a measurement)" if settings["quick"] else ""))  # fmt: skip
     goal_text = "\n".join(f"- {line}" for line in goals)
     text = f"{note}\n\n{table}\n\nSummary (less first step s, steps to target in brackets):\n\n{summary}\n\nGoal:\n\n{goal_text}"
-    report = write_report(_stem(task, settings), text)
+    command = raw.get("command", command_line())
+    report = write_report(_stem(task, settings), text, command)
     plot = _plot(task, curves, settings)
-    print(f"\n{text}\n\nwritten {report} and {plot}\nreproduce: {command_line()}")
+    print(f"\n{text}\n\nwritten {report} and {plot}\nreproduce: {command}")
 
 
 def _summary(curves: dict[tuple[str, int], dict[str, dict[str, Any]]]) -> str:
