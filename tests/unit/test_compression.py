@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from tandem.kvstore import LocalKVStore
-from tandem.kvstore.compression import DESCRIPTOR, KINDS, Compressor, GradientCompression, decode
+from tandem.kvstore.compression import (
+    DESCRIPTOR,
+    KINDS,
+    Compressor,
+    GradientCompression,
+    decode,
+    encode_into_residual,
+    summable,
+)
 from tandem.kvstore.errors import KVStoreError, ProtocolError
 from tandem.trainer import TrainerConfig
 
@@ -66,6 +74,18 @@ def test_fp16_overflow_stays_in_the_residual_instead_of_becoming_inf() -> None:
     assert sent.tolist() == [65504.0, -65504.0, 1.0]
     residual = compressor.residual("k")
     assert residual is not None and residual.tolist() == [1e6 - 65504.0, -1e6 + 65504.0, 0.0]
+
+
+def test_fp16_summed_over_workers_is_clamped_so_the_sum_stays_finite() -> None:
+    """A 16-bit all-reduce sums every worker's fp16 values in fp16: each is clamped to the range
+    over the workers, so four workers' maxima sum to fp16's largest value, not to inf."""
+    config = GradientCompression("fp16")
+    total = torch.tensor([1e6, -1e6, 1.0])
+    sent = encode_into_residual(config, total, summands=4)
+    assert sent.dtype == torch.float16 and sent.tolist() == [65504.0 / 4, -65504.0 / 4, 1.0]
+    assert torch.isfinite(sent * 4).all()  # four workers sending the same: their sum in fp16
+    assert total.tolist() == [1e6 - 65504.0 / 4, -1e6 + 65504.0 / 4, 0.0]  # the rest stays in the residual
+    assert summable(config) and summable(GradientCompression("bf16")) and not summable(GradientCompression("2bit"))
 
 
 @pytest.mark.parametrize(("kind", "ratio"), [("2bit", 16), ("fp16", 2), ("bf16", 2)])
