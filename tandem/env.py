@@ -64,6 +64,11 @@ _declare("TANDEM_PS_WATER_MARK", int, 10, "P3: max pushes in flight (sent, not y
 _declare("TANDEM_PS_BATCH_SEGMENTS", bool, True,
          "P3: a backward segment's gradients leave together (one message per server where they fit), not one "
          "request per parameter as each gradient is announced")
+_declare("TANDEM_SEND_BUCKET_ELEMENTS", int, -1,
+         "overlap and p3: backward segments' gradients leave together once at least this many elements are "
+         "finished (what is left when backward ends leaves then); fewer, larger sends cost the store fewer "
+         "rounds and messages per step. 0: each segment's gradients leave as it ends; -1: the store's choice "
+         "(collective: one slice, so every agreement round issues a full collective; parameter server: 0)")
 _declare("TANDEM_PS_HEARTBEAT", float, 1.0, "seconds between heartbeats")
 _declare("TANDEM_PS_COALESCE_BYTES", int, 256 * 1024,
          "data requests to one server (and a server's replies to one worker) sent together in one message, "

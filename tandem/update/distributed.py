@@ -110,6 +110,9 @@ class DistributedUpdate(Update):
         self._held: list[tuple[str, torch.Tensor]] = []  # gradients kept until backward ends
         self._in_backward = False  # the hook has reached this step's backward segments
         self._batch_segments = knob("TANDEM_PS_BATCH_SEGMENTS")
+        self._bucket_knob = knob("TANDEM_SEND_BUCKET_ELEMENTS")
+        self._bucket: list[tuple[str, torch.Tensor]] = []  # finished gradients waiting for a full bucket
+        self._bucket_numel = 0
 
     @classmethod
     def join(cls, params: Mapping[str, torch.Tensor], apply: Apply, optimizer: Any, kind: str | kvstore.KVStoreConfig,
@@ -175,7 +178,21 @@ class DistributedUpdate(Update):
         if self.mode == "p3" and self._send_timing != "during":
             self._held.extend(gradients)
             return
+        bucket_elements = self._bucket_elements
+        if bucket_elements > 0:  # fewer, larger sends: each costs the store a round or a message
+            self._bucket.extend(gradients)
+            self._bucket_numel += sum(grad.numel() for _, grad in gradients)
+            if self._bucket_numel < bucket_elements:
+                return
+            gradients, self._bucket, self._bucket_numel = self._bucket, [], 0
         self._pushpull_together(gradients)
+
+    @property
+    def _bucket_elements(self) -> int:
+        """Elements of finished gradients a send waits for (TANDEM_SEND_BUCKET_ELEMENTS; -1: the store's
+        ``send_bucket_elements``, 0 where it has none). Read each segment: a tuner may resize slices."""
+        elements = int(self._bucket_knob)
+        return elements if elements >= 0 else int(getattr(self.store, "send_bucket_elements", 0))
 
     def _pushpull_together(self, gradients: Sequence[tuple[str, torch.Tensor]]) -> None:
         """``_pushpull`` each, in one ``batched()`` block of the store (TANDEM_PS_BATCH_SEGMENTS)."""
@@ -246,6 +263,9 @@ class DistributedUpdate(Update):
             self._exchange(self._names, [result.grads[n] for n in self._names], pushpull=False)
             return
         held, self._held = dict(self._held), []
+        if self._bucket:  # the last segments' gradients, short of a full bucket: backward is over, they leave now
+            bucket, self._bucket, self._bucket_numel = self._bucket, [], 0
+            self._pushpull_together(bucket)
         if self._send_timing == "serial":
             names = [n for n in self._names if n in held]  # forward order: by priority, on one call's FIFO
             self._exchange(names, [held[n] for n in names], pushpull=True)

@@ -122,7 +122,8 @@ def test_accepted_combination_has_a_proof_that_exists(kind: str, communication: 
     function = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
     if parameters:
         (mark,) = [mark for mark in getattr(function, "pytestmark", []) if mark.name == "parametrize"]
-        ids = ["-".join(map(str, values if isinstance(values, tuple) else (values,))) for values in mark.args[1]]
+        ids = [values.id if getattr(values, "id", None) else  # a pytest.param(..., id=...)
+               "-".join(map(str, values if isinstance(values, tuple) else (values,))) for values in mark.args[1]]  # fmt: skip
         assert parameters.removesuffix("]") in ids, (proof, ids)
 
 

@@ -103,6 +103,13 @@ class CollectiveKVStore(KVStore):
         return 0  # no server processes
 
     @property
+    def send_bucket_elements(self) -> int:
+        """What a trainer's send waits for by default (TANDEM_SEND_BUCKET_ELEMENTS=-1): one slice of
+        finished gradients, so each agreement round (a small all-reduce and a wake-up of every
+        worker's scheduler) issues at least one full collective rather than a segment's few small ones."""
+        return int(self.slice_size)
+
+    @property
     def rounds(self) -> int:
         """Agreement rounds run so far (one small all-reduce each; see ``scheduler.py``)."""
         return self._scheduler.rounds if self._scheduler is not None else 0
