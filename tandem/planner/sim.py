@@ -235,6 +235,7 @@ class Strategy:
     compression: str = "none"  # none, fp16, bf16, 2bit: pushes (and all-reduce) shrink by its ratio
     update_on: Literal["servers", "workers"] = "servers"  # workers: the pulled sums are compressed too
     bucket_bytes: int = 25 * 2**20  # allreduce: DDP's bucket size
+    send_bucket_elements: int = -1  # collective: finished gradients a send waits for (-1: one slice; 0: none)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -246,6 +247,8 @@ class Strategy:
                              f"{self.slice_size}, {self.water_mark}, {self.bucket_bytes}")  # fmt: skip
         if self.update_on not in ("servers", "workers"):
             raise ValueError(f"update_on must be 'servers' or 'workers', got {self.update_on!r}")
+        if self.send_bucket_elements < -1:
+            raise ValueError(f"send_bucket_elements must be >= -1, got {self.send_bucket_elements}")
 
     @property
     def label(self) -> str:
@@ -915,7 +918,8 @@ def _allreduce(workload: Workload, cluster: Cluster, strategy: Strategy) -> Pred
 class _CollectiveSim:
     """tandem's collective kvstore (``kvstore/collective/scheduler.py``) on identical workers, so one
     worker stands for all: they submit, agree and issue alike, and a collective completes everywhere
-    at once. A backward segment's gradients are submitted together; a round (an all-reduce of a few
+    at once. Backward segments' gradients are submitted together once ``send_bucket_elements`` of
+    them (by default one slice's worth) are finished, the rest at the end of backward; a round (an all-reduce of a few
     integers, one at a time) agrees on them and on the completions so far, then issues from the
     priority queue while fewer than ``water_mark`` collectives are in flight (one where none is).
     The ring runs one collective at a time (gloo's process group has two threads: a latency-bound
@@ -942,6 +946,8 @@ class _CollectiveSim:
         self.ring: deque[list[tuple[int, int, int]]] = deque()  # issued, waiting for the ring
         self.ring_busy = False
         self.submitted: list[tuple[int, int, int]] = []  # (param, slice, iteration) not yet agreed
+        self.bucket: list[int] = []  # finished gradients (params) the trainer holds until a slice's worth
+        self.bucket_numel = 0
         self.queue: list[tuple[int, int, int, int]] = []  # heap of (param, slice, order, iteration): -param is the priority
         self.order = 0
         self.in_flight, self.completed_unseen = 0, 0  # issued, not yet freed by a round; completed since the last round
@@ -974,12 +980,19 @@ class _CollectiveSim:
     def segment_done(self, iteration: int, index: int) -> None:
         n_forward = len(self.w.forward_s)
         if index >= n_forward:
-            for param in self.w.backward_grads[index - n_forward]:  # kv.batched(): one round sees them all
-                self.missing[param] = len(self.slices[param])
-                self.submitted.extend((param, number, iteration) for number in range(len(self.slices[param])))
-                if not self.slices[param]:  # nothing to sum (the store skips empty tensors)
-                    self.loop.back[param] = iteration
-            if self.submitted:  # a segment that finishes no gradient has nothing to agree on
+            grads = self.w.backward_grads[index - n_forward]
+            self.bucket += grads
+            self.bucket_numel += sum(sum(self.slices[param]) for param in grads)
+            # the trainer's send bucket (TANDEM_SEND_BUCKET_ELEMENTS), the rest when backward ends
+            bucket = self.s.slice_size if self.s.send_bucket_elements < 0 else self.s.send_bucket_elements
+            if self.bucket_numel >= bucket or self.loop.is_last(index):
+                for param in self.bucket:  # kv.batched(): one round sees them all
+                    self.missing[param] = len(self.slices[param])
+                    self.submitted.extend((param, number, iteration) for number in range(len(self.slices[param])))
+                    if not self.slices[param]:  # nothing to sum (the store skips empty tensors)
+                        self.loop.back[param] = iteration
+                self.bucket, self.bucket_numel = [], 0
+            if self.submitted:  # a segment that sends no gradient has nothing to agree on
                 self.round()
         if self.loop.is_last(index):
             self.backward_end.append(self.events.now)

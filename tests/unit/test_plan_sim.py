@@ -281,7 +281,20 @@ def test_a_collectives_cpu_slows_the_compute_beside_it(cores: float, expected: f
     end at 5, a's all-reduce at 6: the next forward starts 1 s later each iteration."""
     machine = dataclasses.replace(NO_COST, byte_s=1 / 8e6, cores=cores)  # 2 x 4 MB sent and received: 1 s
     cluster = at_whole_rate(2, 0, RATE, latency_s=0.0, machine=machine)
-    assert simulate(two_layers(), cluster, Strategy("collective", slice_size=10**7)).iteration_s == pytest.approx(expected)
+    each_segment = Strategy("collective", slice_size=10**7, send_bucket_elements=0)  # b leaves as its segment ends
+    assert simulate(two_layers(), cluster, each_segment).iteration_s == pytest.approx(expected)
+
+
+def test_collective_sends_wait_for_a_bucket_of_finished_gradients() -> None:
+    """As the trainer does: by default a send waits for one slice's worth of finished gradients, the
+    rest leaving when backward ends. With slices of 10M elements b (1M) waits for a, and both leave
+    at 4 s in one fused collective of 8 MB (2 s): 6 s, against 5 s where b leaves at 3 s."""
+    cluster = at_whole_rate(2, 0, RATE, latency_s=0.0, machine=dataclasses.replace(NO_COST, byte_s=1 / 8e6))
+    bucketed = simulate(two_layers(), cluster, Strategy("collective", slice_size=10**7))
+    assert [round(t, 6) for t, _, _ in bucketed.sends[:2]] == [4.0, 4.0]
+    assert bucketed.iteration_s == pytest.approx(6.0)
+    small = simulate(two_layers(), cluster, Strategy("collective", slice_size=10**7, send_bucket_elements=1_000_000))
+    assert small.iteration_s == pytest.approx(5.0)  # b alone fills a bucket of 1M: it leaves at 3 s
 
 
 def test_compressed_collectives_sum_16_bits_and_gather_2_bits() -> None:
