@@ -10,6 +10,9 @@ Three modes, selectable for comparison (``Trainer(..., communication=...)``):
     to hold the gradients until backward ends (``send_timing``), where overlap costs more CPU than it
     saves wire time: ``after``, still sent by priority and applied per segment by the next forward,
     or ``serial``, one pushpull of them all (in forward order, so by priority) that the step waits for.
+Where the store asks for it (the collective store: one slice's worth; ``TANDEM_SEND_BUCKET_ELEMENTS``),
+``overlap`` and ``p3`` hold finished gradients until a bucket of them is full, the rest until backward
+ends: each send costs that store an agreement round.
 In ``overlap`` and ``p3`` the next forward starts each segment as soon as the parameters *it* reads
 are back: before pushing a forward segment, the step's ``before_segment`` hook waits for those
 parameters' replies and pushes one engine op that writes them all (one fused optimizer update; it
