@@ -43,6 +43,9 @@ _declare("TANDEM_BULK_MAX_NODE_TRAIN_BWD", int, -1, "backward cap; overrides TAN
 # backend
 _declare("TANDEM_BACKEND", str, "aten",
          "how segments become code: 'aten' (generated Python over aten ops) or 'inductor' (compiled kernels)")
+_declare("TANDEM_INDUCTOR_CPP_WRAPPER", bool, False,
+         "inductor backend: each compiled segment runs as one C++ call that releases the GIL (threads that send "
+         "gradients run beside it) instead of Python calling its kernels one by one; compiles slower")
 # capture
 _declare("TANDEM_CAPTURE_CACHE", bool, True,
          "keep captured step graphs on disk (under inductor's cache directory) and load them in later processes "

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from tandem.backends.program import Instruction
+from tandem.env import knob
 
 SegmentFunction = Callable[[list[Any]], None]
 
@@ -85,6 +86,27 @@ def _candidate_instruction_sets(cpu_vec_isa: Any) -> list[Any]:
         return []
     flags = cpu_vec_isa.x86_isa_checker()
     return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
+
+
+def _standalone_compile(graph_module: Callable[[], fx.GraphModule], example_inputs: list[Any]) -> Any:
+    """inductor's compiled function for ``graph_module()``; with TANDEM_INDUCTOR_CPP_WRAPPER, its C++ wrapper.
+
+    inductor's default wrapper is Python calling each kernel, and a CPU kernel holds the GIL while it
+    runs: another thread of the process (a kvstore's scheduler or sender) waits for a kernel to end,
+    and then for the switch interval (5 ms). The C++ wrapper releases the GIL for the whole segment.
+    Where the C++ wrapper does not compile, the Python one is tried before giving up."""
+    def compile_with(patches: dict[str, Any]) -> Any:
+        boxed_inputs: list[Any] = [list(example_inputs)]  # one argument, the list the compiled code empties
+        return torch._inductor.standalone_compile(graph_module(), boxed_inputs, dynamic_shapes="from_example_inputs",
+                                                  options={"config_patches": patches})
+
+    if knob("TANDEM_INDUCTOR_CPP_WRAPPER"):
+        try:
+            return compile_with({**OPTIONS, "cpp_wrapper": True})
+        except Exception as error:  # the Python wrapper compiles what the C++ one cannot
+            warnings.warn(f"tandem: inductor's C++ wrapper failed ({_first_line(error)}); using its Python wrapper",
+                          RuntimeWarning, stacklevel=3)
+    return compile_with(OPTIONS)
 
 
 def _await_warm_up() -> None:
@@ -158,12 +180,9 @@ class InductorSegment:
         start = time.perf_counter()
         _await_warm_up()
         try:
-            boxed_inputs: list[Any] = [list(example_inputs)]  # one argument, the list the compiled code empties
             # standalone_compile traces under a fake mode with a shape environment, which inductor's
             # FX graph cache and AOTAutograd cache need: torch._inductor.compile bypasses both
-            self.compiled = torch._inductor.standalone_compile(
-                self.graph_module(), boxed_inputs, dynamic_shapes="from_example_inputs",
-                options={"config_patches": OPTIONS})
+            self.compiled = _standalone_compile(self.graph_module, example_inputs)
         except Exception as error:  # any compiler failure: this segment runs its exact aten code
             self.fallback_reason = f"{_failing_op(self.nodes, error)}: {_first_line(error)}"
             warnings.warn(f"tandem: inductor could not compile segment {self.name} ({self.fallback_reason}); "

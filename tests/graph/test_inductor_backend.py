@@ -59,6 +59,22 @@ def test_ten_trainer_steps_match_eager(zoo_name: str) -> None:
         torch.testing.assert_close(ours[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_the_cpp_wrapper_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TANDEM_INDUCTOR_CPP_WRAPPER: every segment is compiled with inductor's C++ wrapper (one C++ call
+    that releases the GIL), dropout still draws eager's masks, and 10 steps still equal eager's."""
+    monkeypatch.setenv("TANDEM_INDUCTOR_CPP_WRAPPER", "1")
+    patches: list[dict[str, object]] = []
+    compile_segment = torch._inductor.standalone_compile
+
+    def recording(*args: object, **kwargs: object) -> object:  # torch's compile, called through
+        patches.append(dict(kwargs["options"]["config_patches"]))  # type: ignore[index]
+        return compile_segment(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", recording)
+    test_ten_trainer_steps_match_eager("gpt")
+    assert patches and all(p.get("cpp_wrapper") is True for p in patches), patches
+
+
 # -- structure -------------------------------------------------------------------------------
 
 
