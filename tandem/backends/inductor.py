@@ -88,7 +88,7 @@ def _candidate_instruction_sets(cpu_vec_isa: Any) -> list[Any]:
     return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
 
 
-def _standalone_compile(graph_module: Callable[[], fx.GraphModule], example_inputs: list[Any]) -> Any:
+def _standalone_compile(name: str, graph_module: Callable[[], fx.GraphModule], example_inputs: list[Any]) -> Any:
     """inductor's compiled function for ``graph_module()``; with TANDEM_INDUCTOR_CPP_WRAPPER, its C++ wrapper.
 
     inductor's default wrapper is Python calling each kernel, and a CPU kernel holds the GIL while it
@@ -104,8 +104,8 @@ def _standalone_compile(graph_module: Callable[[], fx.GraphModule], example_inpu
         try:
             return compile_with({**OPTIONS, "cpp_wrapper": True})
         except Exception as error:  # the Python wrapper compiles what the C++ one cannot
-            warnings.warn(f"tandem: inductor's C++ wrapper failed ({_first_line(error)}); using its Python wrapper",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(f"tandem: inductor's C++ wrapper failed for segment {name} ({_first_line(error)}); "
+                          "that segment uses its Python wrapper", RuntimeWarning, stacklevel=3)
     return compile_with(OPTIONS)
 
 
@@ -182,7 +182,7 @@ class InductorSegment:
         try:
             # standalone_compile traces under a fake mode with a shape environment, which inductor's
             # FX graph cache and AOTAutograd cache need: torch._inductor.compile bypasses both
-            self.compiled = _standalone_compile(self.graph_module, example_inputs)
+            self.compiled = _standalone_compile(self.name, self.graph_module, example_inputs)
         except Exception as error:  # any compiler failure: this segment runs its exact aten code
             self.fallback_reason = f"{_failing_op(self.nodes, error)}: {_first_line(error)}"
             warnings.warn(f"tandem: inductor could not compile segment {self.name} ({self.fallback_reason}); "
