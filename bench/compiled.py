@@ -9,7 +9,8 @@ thread count, and dynamo's caches stay per process):
 * **Step time** (forward + loss + backward) of eager (``zero_grad(set_to_none=True)``, ``loss_fn``,
   ``backward()``), ``torch.compile(model)`` in the default mode and in
   ``mode="max-autotune-no-cudagraphs"``, and ``tandem.compile`` with ``backend="aten"`` and
-  ``backend="inductor"`` (mirror off), at each ``--threads``. Medians of ``--repeats`` interleaved
+  ``backend="inductor"`` (mirror off) with each of inductor's two wrappers (``tandem inductor`` is the
+  one ``TANDEM_INDUCTOR_CPP_WRAPPER`` selects, the other is its own column), at each ``--threads``. Medians of ``--repeats`` interleaved
   rounds after 2 warm-up rounds; ``--clock cpu`` (the default) is the process CPU time of all
   threads, robust on a shared machine. The timing subprocesses share one inductor cache directory.
 * **Memory against time** (at the first ``--threads``, in the same interleaved rounds): tandem inductor at mirror off /
@@ -19,7 +20,7 @@ thread count, and dynamo's caches stay per process):
   what tandem's inductor backend reports as ``peak_bytes``): the highest running sum of bytes
   allocated minus freed during the step, above what was live when it started, so parameters, buffers
   and the batch are not counted and the gradients are, for every column.
-* **First call** (capture + compile + the first step) of tandem inductor and of torch.compile
+* **First call** (capture + compile + the first step) of tandem inductor (both wrappers) and of torch.compile
   (default mode), 1 thread: cold, a fresh subprocess whose ``TORCHINDUCTOR_CACHE_DIR`` is a new
   empty directory; warm, a second fresh subprocess on the same directory (tandem's capture cache
   lives in it too: the warm run loads the captured graph). Model construction and ``import torch``
@@ -50,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import date
 from functools import partial
 from pathlib import Path
@@ -65,6 +66,7 @@ import tandem  # noqa: E402
 from bench.capture import CASES, eager_step  # noqa: E402
 from bench.common import OUT, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
 from bench.real_models import cpu_name, sequence_lengths  # noqa: E402
+from tandem.env import knob  # noqa: E402
 from tandem.executor import _AllocationEvents  # noqa: E402
 from tandem.models import LIBRARY, ZOO  # noqa: E402
 from tandem.testing import real_models  # noqa: E402
@@ -75,6 +77,10 @@ LM_BATCH, LM_SEQ_LEN = 16, 32  # the transformers LMs: 16 sequences of 32 tokens
 BUDGETS = (0.8, 0.6, 0.4)
 COMPILE_MODES = {"torch.compile": None, "torch.compile max-autotune": "max-autotune-no-cudagraphs"}
 GOAL_EAGER, GOAL_EAGER_MODELS, GOAL_WARM_S = 0.85, ("resnet", "gpt"), 5.0
+# "tandem inductor" is the wrapper TANDEM_INDUCTOR_CPP_WRAPPER selects (default or set); this column is the other one
+CPP_WRAPPER = bool(knob("TANDEM_INDUCTOR_CPP_WRAPPER"))
+OTHER_WRAPPER = f"tandem inductor {'Python' if CPP_WRAPPER else 'C++'} wrapper"
+TIME_LABELS = ["torch.compile", "torch.compile max-autotune", "tandem aten", "tandem inductor", OTHER_WRAPPER]
 MiB = 2**20
 
 
@@ -178,6 +184,10 @@ def child_timing(name: str, threads: int, sweep: bool, repeats: int, clock: str)
             if backend == "inductor":
                 peaks[label] = int(step.memory_report()["peak_bytes"])
                 fallbacks.update(step.compile_report()["fallbacks"])
+    with other_wrapper():
+        step = tandem.compile(module, loss_fn, *batch, backend="inductor")
+        step(*batch)
+    candidates[OTHER_WRAPPER] = partial(step, *batch)
     gc.collect()
     gc.freeze()  # the captured graphs are long-lived: keep cyclic GC from rescanning them mid-timing
     try:
@@ -188,14 +198,29 @@ def child_timing(name: str, threads: int, sweep: bool, repeats: int, clock: str)
     return {"times": times, "peaks": peaks, "fallbacks": fallbacks}
 
 
+@contextlib.contextmanager
+def other_wrapper() -> Iterator[None]:
+    """Compile under the inductor wrapper TANDEM_INDUCTOR_CPP_WRAPPER does not select (read at compile time)."""
+    previous = os.environ.get("TANDEM_INDUCTOR_CPP_WRAPPER")
+    os.environ["TANDEM_INDUCTOR_CPP_WRAPPER"] = "0" if CPP_WRAPPER else "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TANDEM_INDUCTOR_CPP_WRAPPER"]
+        else:
+            os.environ["TANDEM_INDUCTOR_CPP_WRAPPER"] = previous
+
+
 def child_first_call(name: str, system: str) -> dict[str, Any]:
     """Seconds from the built model to the end of the first step (capture / dynamo + compile + run)."""
     torch.set_num_threads(1)
     module, loss_fn, batch = build(name)
     start = time.perf_counter()
-    if system == "tandem":
-        step = tandem.compile(module, loss_fn, *batch, backend="inductor")
-        step(*batch)
+    if system.startswith("tandem"):
+        with other_wrapper() if system == OTHER_WRAPPER else contextlib.nullcontext():
+            step = tandem.compile(module, loss_fn, *batch, backend="inductor")
+            step(*batch)
         seconds = time.perf_counter() - start
         report = step.compile_report()
         return {"seconds": seconds, "capture_s": report["capture_s"], "plan_s": report["plan_s"],
@@ -266,21 +291,21 @@ def verdict(met: bool) -> str:
 
 
 def time_section(results: dict[tuple[str, int], dict[str, Any]]) -> tuple[str, list[str]]:
-    labels = ["torch.compile", "torch.compile max-autotune", "tandem aten", "tandem inductor"]
     rows, goals = [], []
     for (name, threads), result in results.items():
         times = result["times"]
         eager = times["eager"]
         best = min(times[label] for label in COMPILE_MODES)
         ours = times["tandem inductor"]
-        rows.append([name, threads, f"{eager * 1e3:.1f}", *[f"{times[label] / eager:.3f}" for label in labels],
-                     f"{ours / best:.3f}"])
+        rows.append([name, threads, f"{eager * 1e3:.1f}", *[f"{times[label] / eager:.3f}" for label in TIME_LABELS],
+                     f"{ours / best:.3f}", f"{times[OTHER_WRAPPER] / ours:.3f}"])
         goals.append(f"- {name}, {threads} thread(s): tandem inductor {ours * 1e3:.1f} ms <= torch.compile's best "
                      f"{best * 1e3:.1f} ms: {verdict(ours <= best)} ({ours / best:.3f}x)")
         if name in GOAL_EAGER_MODELS:
             goals.append(f"- {name}, {threads} thread(s): tandem inductor <= {GOAL_EAGER}x eager: "
                          f"{verdict(ours <= GOAL_EAGER * eager)} ({ours / eager:.3f}x)")
-    headers = ["model", "threads", "eager ms", *[f"{label} / eager" for label in labels], "tandem inductor / best torch.compile"]
+    headers = ["model", "threads", "eager ms", *[f"{label} / eager" for label in TIME_LABELS],
+               "tandem inductor / best torch.compile", f"{OTHER_WRAPPER} / tandem inductor"]
     return markdown_table(headers, rows), goals
 
 
@@ -317,14 +342,16 @@ def first_call_section(results: dict[str, dict[str, dict[str, Any]]]) -> tuple[s
     for name, result in results.items():
         ours_cold, ours_warm = result["tandem cold"], result["tandem warm"]
         theirs_cold, theirs_warm = result["torch.compile cold"]["seconds"], result["torch.compile warm"]["seconds"]
+        other_cold, other_warm = result[f"{OTHER_WRAPPER} cold"]["seconds"], result[f"{OTHER_WRAPPER} warm"]["seconds"]
         rows.append([name, f"{ours_cold['seconds']:.1f}", f"{ours_cold['capture_s']:.1f}", f"{ours_cold['compile_s']:.1f}",
-                     f"{theirs_cold:.1f}", f"{ours_warm['seconds']:.1f}", f"{ours_warm['capture_s']:.1f}",
-                     f"{ours_warm['compile_s']:.1f}", f"{theirs_warm:.1f}"])
+                     f"{other_cold:.1f}", f"{theirs_cold:.1f}", f"{ours_warm['seconds']:.1f}", f"{ours_warm['capture_s']:.1f}",
+                     f"{ours_warm['compile_s']:.1f}", f"{other_warm:.1f}", f"{theirs_warm:.1f}"])
         goals.append(f"- {name}: tandem cold {ours_cold['seconds']:.1f} s <= torch.compile cold {theirs_cold:.1f} s: "
                      f"{verdict(ours_cold['seconds'] <= theirs_cold)}; tandem warm {ours_warm['seconds']:.1f} s < "
                      f"{GOAL_WARM_S:g} s: {verdict(ours_warm['seconds'] < GOAL_WARM_S)}")
-    headers = ["model", "tandem cold s", "of which capture s", "of which compile s", "torch.compile cold s",
-               "tandem warm s", "of which capture s", "of which compile s", "torch.compile warm s"]
+    headers = ["model", "tandem cold s", "of which capture s", "of which compile s", f"{OTHER_WRAPPER} cold s",
+               "torch.compile cold s", "tandem warm s", "of which capture s", "of which compile s",
+               f"{OTHER_WRAPPER} warm s", "torch.compile warm s"]
     return markdown_table(headers, rows), goals
 
 
@@ -361,7 +388,7 @@ def plot_time(results: dict[tuple[str, int], dict[str, Any]], path: Path) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = ["torch.compile", "torch.compile max-autotune", "tandem aten", "tandem inductor"]
+    labels = TIME_LABELS
     keys = list(results)
     figure, axes = plt.subplots(figsize=(max(8, 1.3 * len(keys)), 4))
     width = 0.8 / len(labels)
@@ -444,8 +471,9 @@ def main() -> None:
         if args.memory_only:
             continue
         first_calls[name] = {}
-        for system in ("tandem", "torch.compile"):
-            cache = tempfile.mkdtemp(prefix=f"tandem-bench-first-call-{system.replace('.', '-')}-")
+        for system in ("tandem", OTHER_WRAPPER, "torch.compile"):
+            slug = "".join(c if c.isalnum() else "-" for c in system)  # C++ builds choke on spaces and "+" in paths
+            cache = tempfile.mkdtemp(prefix=f"tandem-bench-first-call-{slug}-")
             for temperature in ("cold", "warm"):
                 first_calls[name][f"{system} {temperature}"] = run_child(["first-call", name, system], cache)
         print(f"{name}: first call " + ", ".join(f"{k} {v['seconds']:.1f}s" for k, v in first_calls[name].items()), flush=True)
@@ -460,7 +488,8 @@ def main() -> None:
         return
     memory_table, memory_goals = memory_section(sweeps)
     header = (f"({date.today().isoformat()}; {os.cpu_count()}-core CPU ({cpu_name()}), torch {torch.__version__}, "
-              f"medians of {args.repeats} interleaved rounds, {args.clock} clock; ran {minutes:.1f} minutes"
+              f"medians of {args.repeats} interleaved rounds, {args.clock} clock; ran {minutes:.1f} minutes; "
+              f"tandem inductor: inductor's {'C++' if CPP_WRAPPER else 'Python'} wrapper"
               + ("; --quick: a smoke run, the numbers mean little" if args.quick else "") + ")")
     memory_title = f"Peak memory during one step (profiler allocation events) and step time, {thread_counts[0]} thread(s):"
     if args.memory_only:

@@ -75,6 +75,37 @@ def test_the_cpp_wrapper_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     assert patches and all(p.get("cpp_wrapper") is True for p in patches), patches
 
 
+def test_a_segment_the_cpp_wrapper_cannot_compile_uses_the_python_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where inductor's C++ wrapper fails (no lowering here fails only there, so torch's compile is made
+    to refuse ``cpp_wrapper``), each segment warns once naming itself and runs inductor's Python
+    wrapper: still compiled, no aten fallback, aten's numbers."""
+    monkeypatch.setenv("TANDEM_INDUCTOR_CPP_WRAPPER", "1")
+    compile_segment = torch._inductor.standalone_compile
+
+    def refusing_cpp(*args: object, **kwargs: object) -> object:
+        if kwargs["options"]["config_patches"].get("cpp_wrapper"):  # type: ignore[index]
+            raise RuntimeError("tandem_test: no C++ wrapper here\nsecond line")
+        return compile_segment(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", refusing_cpp)
+    module, loss_fn, batch = zoo_case("mlp", torch.float32)
+    expected = tandem.compile(module, loss_fn, *batch, backend="aten")(*batch)
+    step = tandem.compile(module, loss_fn, *batch, backend="inductor", bulk_bwd=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [step(*batch) for _ in range(2)]
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    names = [segment.name for segment in step.executor.segments]
+    assert len(names) > 2 and len(messages) == len(names), (names, messages)
+    for name, message in zip(names, messages):
+        assert f"segment {name} (" in message and "no C++ wrapper here)" in message and "Python wrapper" in message
+    assert step.compile_report()["fallbacks"] == {}, "the Python wrapper compiled every segment"
+    for result in results:
+        torch.testing.assert_close(result.loss, expected.loss, rtol=RTOL, atol=ATOL)
+        for name, grad in expected.grads.items():
+            torch.testing.assert_close(result.grads[name], grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # -- structure -------------------------------------------------------------------------------
 
 
