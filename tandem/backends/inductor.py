@@ -18,6 +18,7 @@ A segment inductor cannot compile runs its aten code instead, with one warning n
 from __future__ import annotations
 
 import operator
+import os
 import threading
 import time
 import warnings
@@ -115,10 +116,29 @@ def _await_warm_up() -> None:
         _warm_up.join(WARM_UP_TIMEOUT_S)
 
 
+def onednn_below_avx512() -> bool:
+    """True where oneDNN's x86 convolutions run AVX2 code (or older): the CPU has no AVX-512, or
+    ``ONEDNN_MAX_CPU_ISA`` (oneDNN's own variable, ``DNNL_MAX_CPU_ISA`` before) caps it below.
+
+    There oneDNN's ``jit_1x1:avx2`` weight gradient of a strided 1x1 convolution on channels-last
+    tensors writes past its buffer (eager PyTorch 2.13 too: ``conv2d`` of a (4, 4, 8, 8) input with a
+    (8, 4, 1, 1) weight at stride 2, both channels-last, aborts in ``free()``), and inductor's layout
+    optimisation makes a ResNet's convolutions channels-last."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    capped_below = not (cap in ("ALL", "DEFAULT") or "AVX512" in cap or "AVX10" in cap)
+    return capped_below or torch.backends.cpu.get_cpu_capability() != "AVX512"
+
+
 # fallback_random: random ops call aten, so dropout draws eager's numbers from eager's generator.
 # keep_output_stride off: a value passed to a later segment keeps the layout inductor chose for it
 # (channels-last conv activations: convolution_backward is ~25% faster on them on the CPU).
-OPTIONS: dict[str, Any] = {"fallback_random": True, "keep_output_stride": False}
+# layout_optimization off where oneDNN runs AVX2 code: its channels-last 1x1 weight gradient corrupts the heap.
+OPTIONS: dict[str, Any] = {"fallback_random": True, "keep_output_stride": False,
+                           **({"layout_optimization": False} if onednn_below_avx512() else {})}
 
 
 class InductorSegment:

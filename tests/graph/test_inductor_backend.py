@@ -180,6 +180,29 @@ def test_the_probes_side_by_side_pick_what_inductor_picks_alone() -> None:
     assert picked[0] == picked[1], picked
 
 
+def test_a_resnet_trains_where_onednn_runs_avx2_code() -> None:
+    """oneDNN's AVX2 weight gradient of a strided 1x1 convolution on channels-last tensors corrupts
+    the heap; where oneDNN runs AVX2 code the backend keeps inductor from choosing channels-last.
+    oneDNN reads ``ONEDNN_MAX_CPU_ISA`` once, at load: a fresh process, capped, stands in for such a CPU."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import torch, tandem; from tandem import optim; from tandem.backends import inductor; "
+              "from tests.conftest import zoo_case; torch.set_num_threads(1); "
+              "assert inductor.OPTIONS['layout_optimization'] is False, inductor.OPTIONS; "
+              "module, loss_fn, batch = zoo_case('resnet', torch.float32); "
+              "trainer = tandem.Trainer(module, loss_fn, optim.SGD(lr=0.1, momentum=0.9), backend='inductor', "
+              "progress=False); print([trainer.step(*batch) for _ in range(3)])")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    module, loss_fn, batch = zoo_case("resnet", torch.float32)
+    expected = eager_train(module, loss_fn, batch, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9), 3)
+    losses = [float(v) for v in done.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=ATOL)
+
+
 # -- memory ----------------------------------------------------------------------------------
 
 
