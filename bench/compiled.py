@@ -66,6 +66,7 @@ import tandem  # noqa: E402
 from bench.capture import CASES, eager_step  # noqa: E402
 from bench.common import OUT, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
 from bench.real_models import cpu_name, sequence_lengths  # noqa: E402
+from tandem.backends.inductor import onednn_below_avx512  # noqa: E402
 from tandem.env import knob  # noqa: E402
 from tandem.executor import _AllocationEvents  # noqa: E402
 from tandem.models import LIBRARY, ZOO  # noqa: E402
@@ -427,6 +428,12 @@ def main() -> None:
     if args.child:
         with contextlib.suppress(AttributeError):
             torch._dynamo.config.recompile_limit = 64  # one cache entry per torch.compile'd copy
+        # torch.compile as a user must run it where oneDNN runs AVX2 code (tandem's backend does the
+        # same): channels-last convolutions there corrupt the heap (docs/compiled.md)
+        if onednn_below_avx512():
+            import torch._inductor.config as inductor_config
+
+            inductor_config.layout_optimization = False
         kind, name, *rest = args.child
         if kind == "timing":
             result = child_timing(name, int(rest[0]), rest[1] == "sweep", int(rest[2]), rest[3])
