@@ -209,7 +209,8 @@ def test_a_resnet_trains_where_onednn_runs_avx2_code() -> None:
 def test_peak_is_measured_and_mirroring_lowers_it() -> None:
     module, loss_fn, batch = zoo_case("gpt", torch.float32, batch_size=32)
     peaks, reports = {}, {}
-    for backend, mirror in (("aten", "off"), ("inductor", "off"), ("inductor", "memory-aware"), ("inductor", 0.5)):
+    # a budget lowering the measured peak: test_recompute_runs_cut_the_backward_so_the_measured_peak_keeps_the_plan
+    for backend, mirror in (("aten", "off"), ("inductor", "off"), ("inductor", "memory-aware")):
         step = tandem.compile(module, loss_fn, *batch, backend=backend, mirror=mirror)
         torch.manual_seed(1)
         step(*batch)
@@ -222,7 +223,6 @@ def test_peak_is_measured_and_mirroring_lowers_it() -> None:
     assert off != reports["inductor", "off"]["estimated_peak_bytes"], reports["inductor", "off"]
     assert reports["inductor", "memory-aware"]["mirrored"] > 0
     assert peaks["inductor", "memory-aware"] < off, peaks
-    assert peaks["inductor", 0.5] < off, peaks
 
 
 def test_recompute_runs_cut_the_backward_so_the_measured_peak_keeps_the_plan() -> None:
