@@ -121,9 +121,9 @@ def onednn_below_avx512() -> bool:
     ``ONEDNN_MAX_CPU_ISA`` (oneDNN's own variable, ``DNNL_MAX_CPU_ISA`` before) caps it below.
 
     There oneDNN's ``jit_1x1:avx2`` weight gradient of a strided 1x1 convolution on channels-last
-    tensors writes past its buffer (eager PyTorch 2.13 too: ``conv2d`` of a (4, 4, 8, 8) input with a
-    (8, 4, 1, 1) weight at stride 2, both channels-last, aborts in ``free()``), and inductor's layout
-    optimisation makes a ResNet's convolutions channels-last."""
+    tensors writes past its buffer (eager PyTorch 2.13 too: with one torch thread, ``conv2d`` of a
+    (4, 4, 8, 8) input with a (8, 4, 1, 1) weight at stride 2, both channels-last, aborts in
+    ``free()``), and inductor's layout optimisation makes a ResNet's convolutions channels-last."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
