@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 import os
+import platform
 import threading
 import time
 import warnings
@@ -79,11 +80,14 @@ def warm_up() -> None:
     _warm_up.start()
 
 
+def on_x86() -> bool:
+    """Whether this machine is x86-64, the only one whose vector instruction sets tandem names."""
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 def _candidate_instruction_sets(cpu_vec_isa: Any) -> list[Any]:
     """The vector instruction sets inductor would probe on this CPU (x86 only; elsewhere none: it probes itself)."""
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not on_x86():
         return []
     flags = cpu_vec_isa.x86_isa_checker()
     return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
@@ -124,9 +128,7 @@ def onednn_below_avx512() -> bool:
     tensors writes past its buffer (eager PyTorch 2.13 too: with one torch thread, ``conv2d`` of a
     (4, 4, 8, 8) input with a (8, 4, 1, 1) weight at stride 2, both channels-last, aborts in
     ``free()``), and inductor's layout optimisation makes a ResNet's convolutions channels-last."""
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not on_x86():
         return False
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
     capped_below = not (cap in ("ALL", "DEFAULT") or "AVX512" in cap or "AVX10" in cap)

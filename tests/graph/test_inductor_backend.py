@@ -16,7 +16,6 @@ few segments.
 from __future__ import annotations
 
 import copy
-import platform
 import warnings
 from collections.abc import Iterator
 
@@ -26,6 +25,7 @@ from torch import nn
 
 import tandem
 from tandem import optim
+from tandem.backends.inductor import on_x86
 from tandem.graph.train_graph import Phase
 from tandem.testing.reference import eager_train
 from tandem.trainer import TrainerConfig
@@ -181,7 +181,7 @@ def test_the_probes_side_by_side_pick_what_inductor_picks_alone() -> None:
     assert picked[0] == picked[1], picked
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ONEDNN_MAX_CPU_ISA=AVX2 names an x86 instruction set")
+@pytest.mark.skipif(not on_x86(), reason="ONEDNN_MAX_CPU_ISA=AVX2 names an x86 instruction set")
 def test_a_resnet_trains_where_onednn_runs_avx2_code() -> None:
     """oneDNN's AVX2 weight gradient of a strided 1x1 convolution on channels-last tensors corrupts
     the heap; where oneDNN runs AVX2 code the backend keeps inductor from choosing channels-last.
