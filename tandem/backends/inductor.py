@@ -142,6 +142,16 @@ def onednn_below_avx512() -> bool:
 OPTIONS: dict[str, Any] = {"fallback_random": True, "keep_output_stride": False,
                            **({"layout_optimization": False} if onednn_below_avx512() else {})}
 
+# inductor's CPU kernels load a stored bool tensor element by element (``VecMask::from``): a
+# causal-masked softmax ran 3x slower than with a float mask. A bool value this small (a mask
+# broadcast over the batch, not a per-element dropout mask) crosses a unit's boundary as float32.
+FLOAT_MASK_MAX_NUMEL = 1 << 16
+
+
+def _small_mask(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() <= FLOAT_MASK_MAX_NUMEL
+
 
 class InductorSegment:
     """One segment's compiled kernels, called as ``segment(slots)`` like the aten backend's function.
@@ -167,6 +177,9 @@ class InductorSegment:
         self.donated = [s for s in self.input_slots if s in freed]  # last read here: the kernels free them
         # a step output (gradient, loss) leaves in eager's contiguous layout
         self.step_output_positions = [k for k, n in enumerate(self.outputs) if n in step_outputs]
+        # small bool values pass in and out as float32 (0.0, 1.0): the kernels then load floats
+        self.float_mask_inputs = [k for k, n in enumerate(self.inputs) if _small_mask(n)]
+        self.float_mask_outputs = [k for k, n in enumerate(self.outputs) if _small_mask(n)]
         self.aten_function = aten_function
         self.compiled: Callable[[list[Any]], Sequence[Any]] | None = None
         self.fallback_reason: str | None = None
@@ -181,6 +194,8 @@ class InductorSegment:
             self.aten_function(slots)
             return
         args = [slots[s] for s in self.input_slots]
+        for k in self.float_mask_inputs:
+            args[k] = args[k].to(torch.float32)
         if self.compiled is None:
             self.compile(args)
             if self.fallback_reason is not None:
@@ -189,7 +204,9 @@ class InductorSegment:
         assert self.compiled is not None
         for slot in self.donated:
             slots[slot] = None  # the list below holds the only reference: freed inside, after its last read
-        results = self.compiled(args)
+        results = list(self.compiled(args))
+        for k in self.float_mask_outputs:
+            results[k] = results[k].to(torch.bool)  # exact: the kernels wrote 0.0 or 1.0
         for slot, value in zip(self.output_slots, results):
             slots[slot] = value
         for k in self.step_output_positions:
@@ -224,6 +241,9 @@ class InductorSegment:
         for k, node in enumerate(self.inputs):
             env[node] = graph.call_function(operator.getitem, (boxed, k))
             env[node].meta = {"val": node.meta["val"]} if "val" in node.meta else {}
+            if k in self.float_mask_inputs:  # it arrives as float32 (``__call__``): back to bool in the kernels
+                env[node].meta = {}
+                env[node] = graph.call_function(torch.ops.aten.ne.Scalar, (env[node], 0))
 
         def constant(arg: Any) -> Any:
             nonlocal constants
@@ -243,7 +263,10 @@ class InductorSegment:
                 copied.args = fx.node.map_aggregate(copied.args, constant)
                 copied.kwargs = fx.node.map_aggregate(copied.kwargs, constant)
             env[node] = copied
-        graph.output(tuple(env[n] for n in self.outputs))
+        outputs = [env[n] for n in self.outputs]
+        for k in self.float_mask_outputs:  # leaves as float32: the buffer the kernels store and reload
+            outputs[k] = graph.call_function(torch.ops.aten._to_copy.default, (outputs[k],), {"dtype": torch.float32})
+        graph.output(tuple(outputs))
         return fx.GraphModule(root, graph)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 import tandem
 from tandem import optim
-from tandem.backends.inductor import on_x86
+from tandem.backends.inductor import InductorSegment, on_x86
 from tandem.graph.train_graph import Phase
 from tandem.testing.reference import eager_train
 from tandem.trainer import TrainerConfig
@@ -141,6 +141,37 @@ def test_gradient_hooks_fire_once_per_gradient_per_step_from_the_compiling_step_
     for name, grads in seen.items():
         for result, grad in zip(results, grads):
             assert torch.equal(grad, result.grads[name]), name  # the hook saw the step's gradient
+
+
+class CausalMixer(nn.Module):
+    """nanoGPT's attention in miniature: scores masked by a bool causal buffer, then softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("causal", torch.tril(torch.ones(6, 6, dtype=torch.bool)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = (self.proj(x) @ x.transpose(-2, -1)).masked_fill(~self.causal, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ x
+
+
+def _mixer_loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x).square().mean()
+
+
+def test_a_small_bool_mask_crosses_units_as_float_and_the_step_matches_eager() -> None:
+    module, x = CausalMixer(), torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+    step = tandem.compile(module, _mixer_loss, x, backend="inductor")
+    result = step(x)
+    forward, backward = (s.function for s in (step.executor.segments[0], step.executor.segments[-1]))
+    assert isinstance(forward, InductorSegment) and isinstance(backward, InductorSegment)
+    assert forward.float_mask_inputs and forward.float_mask_outputs, "the buffer in, the negated mask out"
+    assert backward.float_mask_inputs, "the backward reads the mask the forward saved"
+    graph = forward.graph_module().graph
+    assert any(n.target is torch.ops.aten.ne.Scalar for n in graph.nodes), "bool again inside the kernels"
+    eager_loss, eager_grads = eager_step(copy.deepcopy(module), _mixer_loss, (x,))
+    assert_same_step(result, eager_loss, eager_grads, RTOL, ATOL)
 
 
 def test_compile_report() -> None:
