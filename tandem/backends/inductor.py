@@ -143,14 +143,15 @@ OPTIONS: dict[str, Any] = {"fallback_random": True, "keep_output_stride": False,
                            **({"layout_optimization": False} if onednn_below_avx512() else {})}
 
 # inductor's CPU kernels load a stored bool tensor element by element (``VecMask::from``): a
-# causal-masked softmax ran 3x slower than with a float mask. A bool value this small (a mask
-# broadcast over the batch, not a per-element dropout mask) crosses a unit's boundary as float32.
+# causal-masked softmax ran 3x slower than with a float mask. A bool value on the CPU this small (a
+# mask broadcast over the batch, not a per-element dropout mask) crosses a unit's boundary as float32.
 FLOAT_MASK_MAX_NUMEL = 1 << 16
 
 
 def _small_mask(node: fx.Node) -> bool:
     value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() <= FLOAT_MASK_MAX_NUMEL
+    return (isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.device.type == "cpu"
+            and value.numel() <= FLOAT_MASK_MAX_NUMEL)  # the slow load is in the CPU kernels inductor writes
 
 
 class InductorSegment:
