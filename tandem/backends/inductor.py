@@ -10,7 +10,8 @@ passes put them.
 Compiled on first call, from that call's actual inputs: the strides a compiled segment returns
 (channels-last activations, say) are the strides the next segment is compiled for. The inputs are
 passed as one list that the compiled code empties, so an activation whose last use is inside the
-segment is freed as soon as its kernel has read it, not when the segment ends.
+segment is freed as soon as its kernel has read it, not when the segment ends. A small bool
+value (a causal mask) crosses the boundary as float32, which inductor's CPU kernels load faster.
 
 A segment inductor cannot compile runs its aten code instead, with one warning naming the op.
 """

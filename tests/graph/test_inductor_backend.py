@@ -3,8 +3,8 @@
 * numerics: 10 ``Trainer`` steps of every zoo model equal eager ``torch.optim`` within float32
   tolerance (dropout draws eager's numbers: the backend keeps inductor's ``fallback_random``);
 * structure: a phase is one compiled segment without caps and recomputation, the aten boundaries
-  with caps, recompute runs cut the backward, and a gradient hook fires once per gradient per
-  step, the first (compiling) step included;
+  with caps, recompute runs cut the backward, a gradient hook fires once per gradient per step,
+  the first (compiling) step included, and a small bool mask crosses units as float32;
 * memory: ``peak_bytes`` is measured (profiler allocation events), near the aten backend's, and
   mirroring lowers it;
 * bad input: a segment inductor cannot lower runs its aten code, with one warning naming the op.
