@@ -144,8 +144,9 @@ OPTIONS: dict[str, Any] = {"fallback_random": True, "keep_output_stride": False,
                            **({"layout_optimization": False} if onednn_below_avx512() else {})}
 
 # inductor's CPU kernels load a stored bool tensor element by element (``VecMask::from``): a
-# causal-masked softmax ran 3x slower than with a float mask. A bool value on the CPU this small (a
-# mask broadcast over the batch, not a per-element dropout mask) crosses a unit's boundary as float32.
+# causal-masked softmax ran 3x slower than with a float mask. A bool value on the CPU this small
+# (by size alone: a causal mask, or a tiny model's dropout mask) crosses a unit's boundary as
+# float32, a copy too small to matter; larger ones stay bool.
 FLOAT_MASK_MAX_NUMEL = 1 << 16
 
 
@@ -205,7 +206,7 @@ class InductorSegment:
                 return
         assert self.compiled is not None
         for slot in self.donated:
-            slots[slot] = None  # the list below holds the only reference: freed inside, after its last read
+            slots[slot] = None  # the list below holds the only reference (for a mask, its float copy): freed inside
         results = list(self.compiled(args))
         for k in self.float_mask_outputs:
             results[k] = results[k].to(torch.bool)  # exact: the kernels wrote 0.0 or 1.0
@@ -266,7 +267,7 @@ class InductorSegment:
                 copied.kwargs = fx.node.map_aggregate(copied.kwargs, constant)
             env[node] = copied
         outputs = [env[n] for n in self.outputs]
-        for k in self.float_mask_outputs:  # leaves as float32: the buffer the kernels store and reload
+        for k in self.float_mask_outputs:  # stored as float32, so the kernels of this unit that read it load floats
             outputs[k] = graph.call_function(torch.ops.aten._to_copy.default, (outputs[k],), {"dtype": torch.float32})
         graph.output(tuple(outputs))
         return fx.GraphModule(root, graph)
