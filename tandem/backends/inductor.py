@@ -242,11 +242,12 @@ class InductorSegment:
         boxed.meta["steal_arg"] = True  # inductor's wrapper empties the caller's list
         env: dict[fx.Node, fx.Node] = {}
         for k, node in enumerate(self.inputs):
-            env[node] = graph.call_function(operator.getitem, (boxed, k))
-            env[node].meta = {"val": node.meta["val"]} if "val" in node.meta else {}
+            item = graph.call_function(operator.getitem, (boxed, k))
             if k in self.float_mask_inputs:  # it arrives as float32 (``__call__``): back to bool in the kernels
-                env[node].meta = {}
-                env[node] = graph.call_function(torch.ops.aten.ne.Scalar, (env[node], 0))
+                env[node] = graph.call_function(torch.ops.aten.ne.Scalar, (item, 0))
+            else:
+                item.meta = {"val": node.meta["val"]} if "val" in node.meta else {}
+                env[node] = item
 
         def constant(arg: Any) -> Any:
             nonlocal constants
