@@ -31,6 +31,10 @@ with and without gradient compression (``p3-auto+fp16``, ``p3-auto+2bit``) at ``
 instead, written to bench/out/p3_compression_<update>.md (``--update servers|workers``: where the
 optimizer runs; on the workers the pulled sums travel compressed too). With ``--backends``: p3 with
 the aten and the inductor segment backend side by side, written to bench/out/p3_backend.md.
+Any mode of the main table may carry ``@inductor`` (``collective-p3-auto@inductor``, ``ddp@inductor``):
+tandem's modes then run the inductor segment backend and DDP's ``torch.compile(DDP(model))``, their
+compute columns compiled too; against "ddp" the table and the goals take the faster plain DDP.
+``--repeats N`` runs every job of a row N times, the modes taking turns, and reports medians.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ DDP_MODES = ("ddp", "ddp+fp16", "ddp+powersgd")
 KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "p3-auto": "dist_p3",
          "collective-overlap": "collective", "collective-p3": "collective", "collective-p3-auto": "collective"}
 POWERSGD_RANK, POWERSGD_START = 2, 2  # PowerSGD's rank, and the vanilla all-reduce steps before it compresses
+BACKENDS = ("aten", "inductor")  # a mode's "@inductor": compiled segments (tandem), torch.compile (DDP)
 RATES = ("100mbit", "1gbit", "none")
 WORKERS, SERVERS = 2, 2
 WARMUP_STEPS = 3
@@ -71,10 +76,26 @@ RATIO_MODES = ("collective-p3", "collective-p3-auto", "p3", "p3-auto")  # the ta
 AUTO_MODES = ("p3-auto", "collective-p3-auto")  # tuned: the table says what the tuner chose
 AUTO_WARMUP_STEPS = 300  # enough for the tuner: 6 warm-up, then 10-17 points of >= 4 iterations and >= 0.5 s each
 JOB_TIMEOUT = 300
+COMPILED_JOB_TIMEOUT = 900  # both workers compile their step (and its compute twin) side by side on 2 cores
 MARK = "P3BENCH "
 
 
 # ---- what each process runs --------------------------------------------------------------------
+
+
+def split_mode(mode: str) -> tuple[str, str]:
+    """``"collective-p3-auto@inductor"`` -> ``("collective-p3-auto", "inductor")``; no suffix: aten (DDP: eager)."""
+    base, _, backend = mode.partition("@")
+    return base, backend or "aten"
+
+
+def mode_argument(text: str) -> str:
+    """argparse's check of a mode: one of MODES or DDP_MODES, with an optional ``@<backend>``."""
+    base, backend = split_mode(text)
+    if base not in (*MODES, *DDP_MODES) or backend not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"unknown mode {text!r}: one of {', '.join((*MODES, *DDP_MODES))}, "
+                                         f"optionally with @{'/@'.join(BACKENDS)}")  # fmt: skip
+    return text
 
 
 def _model(name: str) -> tuple[Any, Any, tuple[Any, ...], int]:
@@ -195,6 +216,10 @@ def ddp_job(model: str, mode: str, rank: int, master: str, port: int, runs: int,
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
     local, *_ = _model(model)  # the same step without communication, interleaved (as in tandem_job)
     local_optimizer = torch.optim.SGD(local.parameters(), lr=0.01, momentum=0.9)
+    if os.environ.get("P3BENCH_BACKEND") == "inductor":
+        # PyTorch's order for compiled DDP: wrap, then compile; dynamo's DDPOptimizer splits the graph at
+        # bucket boundaries so that each bucket's all-reduce still starts during backward
+        wrapped, local = torch.compile(wrapped), torch.compile(local)
 
     def step(module: Any, optimizer: Any) -> Callable[[], None]:
         def run() -> None:
@@ -228,6 +253,10 @@ def _step_seconds(reports: list[dict[str, Any]], what: str, output: str, field: 
     return statistics.median(max(values) for values in zip(*(report[field] for report in reports)))
 
 
+def _timeout(env: dict[str, str]) -> int:
+    return COMPILED_JOB_TIMEOUT if "inductor" in (env.get("TANDEM_BACKEND"), env.get("P3BENCH_BACKEND")) else JOB_TIMEOUT
+
+
 def run_tandem(model: str, mode: str, rate: str, runs: int, steps: int, env: dict[str, str],
                launch_args: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     """Step seconds of ``mode`` and of its interleaved local compute, the parameter count, the tuner's result
@@ -237,7 +266,7 @@ def run_tandem(model: str, mode: str, rate: str, runs: int, steps: int, env: dic
                *[f"--env={name}={value}" for name, value in env.items()], "--",
                sys.executable, str(Path(__file__).resolve()), "--job", model, mode, str(runs), str(steps)]  # fmt: skip
     result = subprocess.run(
-        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT
+        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=_timeout(env)
     )
     output = result.stdout + result.stderr
     if result.returncode != 0:
@@ -247,19 +276,21 @@ def run_tandem(model: str, mode: str, rate: str, runs: int, steps: int, env: dic
             "parameters": reports[0]["parameters"], "tuned": reports[0].get("tuned")}  # fmt: skip
 
 
-def run_ddp(model: str, mode: str, rate: str, runs: int, steps: int) -> dict[str, float]:
-    """Step seconds of the DDP ``mode`` and of its interleaved local compute."""
+def run_ddp(model: str, mode: str, rate: str, runs: int, steps: int, backend: str = "aten") -> dict[str, float]:
+    """Step seconds of the DDP ``mode`` and of its interleaved local compute (``backend`` "inductor":
+    under torch.compile)."""
     from tandem import netns
 
     with netns.Network(num_hosts=WORKERS, rate=None if rate == "none" else rate) as net:
         master, port = net.hosts[0].address, 29_731
         gloo = {"GLOO_SOCKET_IFNAME": "eth0"} if net.isolated else {}
+        gloo["P3BENCH_BACKEND"] = backend
         processes = [subprocess.Popen(host.command([sys.executable, str(Path(__file__).resolve()), "--ddp", model,
                                                     mode, str(rank), master, str(port), str(runs), str(steps)]),
                                       cwd=ROOT, env=_env(**gloo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
                      for rank, host in enumerate(net.hosts)]  # fmt: skip
-        outputs = [process.communicate(timeout=JOB_TIMEOUT)[0] for process in processes]
+        outputs = [process.communicate(timeout=_timeout(gloo))[0] for process in processes]
     output = "\n".join(outputs)
     reports = _results(output)
     if any(process.returncode for process in processes):
@@ -274,10 +305,12 @@ def run_ddp(model: str, mode: str, rate: str, runs: int, steps: int) -> dict[str
 
 
 def run_mode(model: str, mode: str, rate: str, runs: int, steps: int, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Any mode: a `tandem launch` job, or DDP (with its hook) in as many namespaces as workers."""
-    if mode.partition("+")[0] == "ddp":
-        return run_ddp(model, mode, rate, runs, steps)
-    return run_tandem(model, mode, rate, runs, steps, {**_mode_env(mode), **(env or {})})
+    """Any mode: a `tandem launch` job, or DDP (with its hook) in as many namespaces as workers; "@inductor":
+    tandem's inductor segment backend, DDP under torch.compile."""
+    base, backend = split_mode(mode)
+    if base.partition("+")[0] == "ddp":
+        return run_ddp(model, base, rate, runs, steps, backend)
+    return run_tandem(model, base, rate, runs, steps, {**_mode_env(base), "TANDEM_BACKEND": backend, **(env or {})})
 
 
 def _mode_env(mode: str) -> dict[str, str]:
@@ -303,18 +336,20 @@ COMPARABLE = 2.0  # communication and compute are "comparable" within this facto
 def goals(measured: dict[tuple[str, str], dict[str, dict[str, Any]]], batch: dict[str, int]) -> list[str]:
     """Issue #29's throughput goals, each line "met" or "missed" with its numbers.
 
-    collective p3 (the better of collective-p3 and collective-p3-auto) >= 1.0x DDP at every (model, rate), >= 1.15x where wire and compute time are within
-    COMPARABLE of each other; parameter-server p3 (the better of p3 and p3-auto) >= 75% of ideal at
-    1 Gbit/s and >= 1.0x DDP at 100 Mbit/s. DDP is plain DDP (uncompressed, like the modes it is compared with).
+    collective p3 (the best of collective-p3 and collective-p3-auto, either backend) >= 1.0x DDP at every (model,
+    rate), >= 1.15x where wire and compute time are within COMPARABLE of each other; parameter-server p3 (the best
+    of p3 and p3-auto) >= 75% of ideal at 1 Gbit/s and >= 1.0x DDP at 100 Mbit/s. DDP is plain DDP (uncompressed,
+    like the modes it is compared with), the faster of eager and compiled where both ran.
     """
     lines = []
     for (model, rate), modes in measured.items():
         speed = {mode: batch[model] / value["seconds"] for mode, value in modes.items() if mode != "_ideal"}
         ideal, compute, wire = modes["_ideal"]["value"], modes["_ideal"]["compute"], modes["_ideal"]["wire"]
-        if "ddp" not in speed:
+        reference = _plain_ddp(speed)
+        if reference is None:
             continue
-        ddp = speed["ddp"]
-        collective = {mode: speed[mode] for mode in ("collective-p3", "collective-p3-auto") if mode in speed}
+        ddp = speed[reference]
+        collective = {mode: speed[mode] for mode in speed if split_mode(mode)[0] in ("collective-p3", "collective-p3-auto")}
         if collective:
             best = max(collective, key=collective.__getitem__)
             ratio = collective[best] / ddp
@@ -322,8 +357,8 @@ def goals(measured: dict[tuple[str, str], dict[str, dict[str, Any]]], batch: dic
             target = 1.15 if comparable else 1.0
             lines.append(f"{'met' if ratio >= target else 'MISSED'}: collective p3 >= {target}x ddp on {model} at "
                          f"{rate}{' (comm ~ compute)' if comparable else ''}: {best} {ratio:.2f}x "
-                         f"({collective[best]:.0f} vs {ddp:.0f} samples/s)")  # fmt: skip
-        ps = {mode: speed[mode] for mode in ("p3", "p3-auto") if mode in speed}
+                         f"({collective[best]:.0f} vs {reference}'s {ddp:.0f} samples/s)")  # fmt: skip
+        ps = {mode: speed[mode] for mode in speed if split_mode(mode)[0] in ("p3", "p3-auto")}
         if ps:
             best_ps = max(ps, key=ps.__getitem__)
             if _rate_bits(rate) == 1e9:
@@ -333,8 +368,21 @@ def goals(measured: dict[tuple[str, str], dict[str, dict[str, Any]]], batch: dic
             if _rate_bits(rate) == 1e8:
                 ratio = ps[best_ps] / ddp
                 lines.append(f"{'met' if ratio >= 1.0 else 'MISSED'}: parameter-server p3 >= 1.0x ddp on {model} at "
-                             f"{rate}: {best_ps} {ratio:.2f}x ({ps[best_ps]:.0f} vs {ddp:.0f} samples/s)")  # fmt: skip
+                             f"{rate}: {best_ps} {ratio:.2f}x ({ps[best_ps]:.0f} vs {reference}'s {ddp:.0f} samples/s)")  # fmt: skip
     return lines
+
+
+def _plain_ddp(speed: dict[str, float]) -> str | None:
+    """The plain (uncompressed) DDP mode the ratios compare with: the faster of eager and compiled where both ran."""
+    plain = [mode for mode in speed if split_mode(mode)[0] == "ddp"]
+    return max(plain, key=speed.__getitem__) if plain else None
+
+
+def _median_job(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's jobs (rounds) as one: the medians of their step and compute seconds, every tuner's choice."""
+    return {**results[-1], "seconds": statistics.median(result["seconds"] for result in results),
+            "compute": statistics.median(result["compute"] for result in results),
+            "tuned": [result.get("tuned") for result in results]}  # fmt: skip
 
 
 def main_bench(args: argparse.Namespace) -> None:
@@ -346,18 +394,23 @@ def main_bench(args: argparse.Namespace) -> None:
     if not available:
         print(f"warning: {reason}; every rate runs unshaped on loopback", file=sys.stderr)
     modes = args.modes
+    ratio_modes = [mode for mode in modes if split_mode(mode)[0] in RATIO_MODES]
+    auto_modes = [mode for mode in modes if split_mode(mode)[0] in AUTO_MODES]
     rows, throughput, everything = [], {}, {}
     jobs = [(model, rate) for model in args.models for rate in args.rates]
-    bar = tqdm(total=len(jobs) * len(modes), desc="p3 bench")
+    bar = tqdm(total=len(jobs) * len(modes) * args.repeats, desc="p3 bench")
     for model, rate in jobs:
         batch = MODELS[model][2] * WORKERS
-        measured: dict[str, dict[str, Any]] = {}
-        for mode in modes:
-            bar.set_postfix_str(f"{model} {rate} {mode}")
-            measured[mode] = run_mode(model, mode, rate, args.runs, args.steps)
-            with open(OUT / "p3_raw.jsonl", "a") as raw:  # every job's numbers as soon as they are in
-                raw.write(json.dumps({"model": model, "rate": rate, "mode": mode, **measured[mode]}) + "\n")
-            bar.update()
+        jobs_of: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+        for round_number in range(args.repeats):  # the modes take turns, round by round: drift hits all alike
+            for mode in modes:
+                bar.set_postfix_str(f"{model} {rate} {mode} (round {round_number + 1})")
+                jobs_of[mode].append(run_mode(model, mode, rate, args.runs, args.steps))
+                with open(OUT / "p3_raw.jsonl", "a") as raw:  # every job's numbers as soon as they are in
+                    raw.write(json.dumps({"model": model, "rate": rate, "mode": mode, "round": round_number,
+                                          **jobs_of[mode][-1]}) + "\n")  # fmt: skip
+                bar.update()
+        measured = {mode: _median_job(results) for mode, results in jobs_of.items()}
         bits = _rate_bits(rate)
         parameters = next((value["parameters"] for value in measured.values() if "parameters" in value), None)
         if parameters is None:  # DDP modes only: count them here
@@ -372,36 +425,41 @@ def main_bench(args: argparse.Namespace) -> None:
         throughput[(model, rate)] = speed
         # the machine is shared: also compare step time in units of each job's own compute time
         relative = {mode: value["seconds"] / value["compute"] for mode, value in measured.items()}
-        ddps = [mode for mode in DDP_MODES if mode in speed]
+        ddps = [mode for mode in speed if split_mode(mode)[0] in DDP_MODES]
         best_ddp = max(ddps, key=speed.__getitem__) if ddps else None
+        reference = _plain_ddp(speed)
         derived = []
-        for mode in RATIO_MODES:
-            if mode in speed and "ddp" in speed:
-                derived += [speed[mode] / speed["ddp"], relative["ddp"] / relative[mode]]
-            if mode in speed and best_ddp is not None:
+        for mode in ratio_modes:
+            if reference is not None:
+                derived += [speed[mode] / speed[reference], relative[reference] / relative[mode]]
+            if best_ddp is not None:
                 derived.append(speed[mode] / speed[best_ddp])
-        for mode in RATIO_MODES:
-            if mode in speed:
-                derived.append(speed[mode] / ideal)
+        derived += [speed[mode] / ideal for mode in ratio_modes]
         rows.append([model, rate, *(speed[mode] for mode in modes), *derived, ideal,
                      f"{compute * 1e3:.0f} / {wire * 1e3:.0f}", best_ddp or "-",
-                     *(_chose(measured[mode].get("tuned")) for mode in AUTO_MODES if mode in measured)])  # fmt: skip
+                     *(" / ".join(dict.fromkeys(map(_chose, measured[mode]["tuned"]))) for mode in auto_modes)])  # fmt: skip
     bar.close()
-    has_ddp, has_any_ddp = "ddp" in modes, any(mode in modes for mode in DDP_MODES)
+    has_ddp = any(split_mode(mode)[0] == "ddp" for mode in modes)
+    has_any_ddp = any(split_mode(mode)[0] in DDP_MODES for mode in modes)
     derived_headers = []
-    for mode in RATIO_MODES:
-        if mode in modes and has_ddp:
+    for mode in ratio_modes:
+        if has_ddp:
             derived_headers += [f"{mode}/ddp", f"{mode}/ddp (per compute)"]
-        if mode in modes and has_any_ddp:
+        if has_any_ddp:
             derived_headers.append(f"{mode}/best ddp")
-    derived_headers += [f"{mode}/ideal" for mode in RATIO_MODES if mode in modes]
+    derived_headers += [f"{mode}/ideal" for mode in ratio_modes]
     headers = ["model", "link", *modes, *derived_headers, "ideal", "compute / wire ms", "best ddp",
-               *(f"{mode} chose" for mode in AUTO_MODES if mode in modes)]  # fmt: skip
+               *(f"{mode} chose" for mode in auto_modes)]  # fmt: skip
     table = markdown_table(headers, rows)
     note = (f"samples/s (global batch {WORKERS} x per-worker batch), {WORKERS} workers (+ {SERVERS} servers for "
-            f"the parameter-server modes), median of {args.runs} runs x {args.steps} steps; ideal = batch / "
+            f"the parameter-server modes), median of {args.runs} runs x {args.steps} steps"
+            + (f" per job, median of {args.repeats} jobs per mode (the modes taking turns)" if args.repeats > 1 else "")
+            + "; ideal = batch / "
             "max(compute, model bytes / rate); 'per compute': ratios of step time / compute time, each measured "
             "in its own job (load-normalised); 'best ddp': the fastest of ddp and its hooks")  # fmt: skip
+    if any(split_mode(mode)[1] != "aten" for mode in modes):
+        note += ("; '@inductor': tandem's inductor segment backend, DDP under torch.compile(DDP(model)), their "
+                 "compute columns compiled too; 'ddp' in the ratios and goals: the faster plain DDP")  # fmt: skip
     checked = goals(everything, {model: MODELS[model][2] * WORKERS for model in args.models})
     goal_text = "\n".join(f"- {line}" for line in checked)
     report = write_report("p3", f"{note}\n\n{table}\n\nGoals:\n\n{goal_text}")
@@ -480,9 +538,6 @@ def compression_table(args: argparse.Namespace) -> None:
     print(f"\n{note}\n{table}\n\nwritten {report}\nreproduce: {command_line()}")
 
 
-BACKENDS = ("aten", "inductor")
-
-
 def backend_table(args: argparse.Namespace) -> None:
     """p3 with each segment backend, side by side per model and link rate: compiled segments must not
     cost overlap (samples/s should move with the compute time, never below aten's at a shaped link)."""
@@ -515,7 +570,8 @@ def _plot(throughput: dict[tuple[str, str], dict[str, float]], args: argparse.Na
     for axis, model in zip(axes[0], args.models):
         for mode in args.modes:
             style = "--" if mode.startswith("ddp") else ":" if mode.startswith("collective") else "-"
-            axis.plot(args.rates, [throughput[(model, rate)][mode] for rate in args.rates], style, marker="o",
+            marker = "o" if split_mode(mode)[1] == "aten" else "s"  # squares: compiled (@inductor)
+            axis.plot(args.rates, [throughput[(model, rate)][mode] for rate in args.rates], style, marker=marker,
                       label=mode)  # fmt: skip
         axis.set_title(f"{model}: {WORKERS} workers ({SERVERS} servers for dist_*)")
         axis.set_xlabel("link rate per host")
@@ -539,10 +595,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="tc rates, or 'none' for unshaped")
-    parser.add_argument("--modes", nargs="+", default=[*MODES, *DDP_MODES], choices=[*MODES, *DDP_MODES],
-                        help="modes of the main table (and, with --compression, the uncompressed modes compared)")
+    parser.add_argument("--modes", nargs="+", default=[*MODES, *DDP_MODES], type=mode_argument,
+                        help="modes of the main table, each optionally with @inductor (and, with --compression, "
+                             "the uncompressed modes compared)")  # fmt: skip
     parser.add_argument("--runs", type=int, default=5, help="runs per job (median; >= 5)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="main table: jobs per mode, the modes taking turns (median of the jobs' medians)")
     parser.add_argument(
         "--no-sweep", dest="sweep", action="store_false", help="skip the slice/water-mark sweep"
     )
@@ -559,6 +618,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 5:
         parser.error("--runs must be >= 5 (medians of at least 5 runs)")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     if args.compression:
         compression_table(args)
         return
