@@ -9,16 +9,17 @@ sockets in the same namespaces (``tandem.netns``), each worker sending its half-
 server and each server answering every worker with its half once both have sent (a synchronous
 push, then pull), one thread per connection, ``sendall`` and ``recv_into`` on preallocated buffers.
 It reads the machine's busy CPU time (``/proc/stat``: user, nice, system, irq, softirq; not idle,
-iowait or steal) before and after ``--steps`` such exchanges and reports core-milliseconds per step.
+iowait or steal) before and after ``--steps`` such exchanges and reports core-milliseconds per step:
+the whole machine's, so run it on a quiet one.
 
 The floor: with a worker's compute taking ``compute`` ms of one core (as bench/p3.py measures it,
 both workers computing at once), a step of a data plane that costs at least ``bytes`` core-ms can
-be no shorter than ``(2 * compute + bytes) / cores``, however it overlaps; its best share of
-bench/p3.py's ideal (``batch / max(compute, wire)``) is the ideal step over that. ``--compute-ms
+be no shorter than ``max(compute, wire, (2 * compute + bytes) / cores)``, however it overlaps; its
+best share of bench/p3.py's ideal (``batch / max(compute, wire)``) is the ideal step over that. ``--compute-ms
 MODEL=MS`` passes the compute time of a bench/p3.py run; without it the compute is measured here
 (the model's step, eager, both workers at once, one thread each).
 
-Reproduce: python bench/cpu_floor.py --rates 1gbit   (as root, for the namespaces; about a minute)
+Reproduce: python bench/cpu_floor.py --rates 1gbit   (as root, for the namespaces; under a minute)
 Writes bench/out/cpu_floor.md and cpu_floor.png.
 """
 
@@ -72,14 +73,21 @@ if role == "server":
     both_pushed = threading.Barrier(len(connections), timeout=TIMEOUT)
 
     def serve(i):
-        for _ in range(steps):
-            receive(connections[i], pushed[i])  # the worker's push
-            both_pushed.wait()  # synchronous: the round's sum exists once every worker has pushed
-            connections[i].sendall(pulled)  # the pull
+        try:
+            for _ in range(steps):
+                receive(connections[i], pushed[i])  # the worker's push
+                both_pushed.wait()  # synchronous: the round's sum exists once every worker has pushed
+                connections[i].sendall(pulled)  # the pull
+        except BaseException as error:  # a thread's error does not end the process: say it, and fail
+            errors.append(error)
+            both_pushed.abort()
 
+    errors = []
     threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(connections))]
     for thread in threads: thread.start()
     for thread in threads: thread.join()
+    if errors:
+        sys.exit(f"server {index} failed: {errors[0]!r}")
 else:
     connections = [socket.create_connection((address, port + i), timeout=TIMEOUT) for i, address in enumerate(addresses)]
     gradient, parameters = bytes(half), [bytearray(half) for _ in connections]
@@ -87,14 +95,20 @@ else:
     sys.stdin.readline()  # go
 
     def exchange(i):
-        for _ in range(steps):
-            connections[i].sendall(gradient)
-            receive(connections[i], parameters[i])
+        try:
+            for _ in range(steps):
+                connections[i].sendall(gradient)
+                receive(connections[i], parameters[i])
+        except BaseException as error:
+            errors.append(error)
 
+    errors = []
     threads = [threading.Thread(target=exchange, args=(i,)) for i in range(len(connections))]
     for thread in threads: thread.start()
     for thread in threads: thread.join()
-    print("done", flush=True)
+    print("failed" if errors else "done", flush=True)
+    if errors:
+        sys.exit(f"worker {index} failed: {errors[0]!r}")
 """
 
 
@@ -141,10 +155,11 @@ def exchange(rate: str, parameters: int, steps: int) -> tuple[float, float]:
             for peer in peers:
                 assert peer.stdout is not None
                 if peer.stdout.readline().strip() != "done":
-                    raise RuntimeError("a worker failed")
+                    raise RuntimeError("a worker failed (its error is above)")
             wall, busy = time.perf_counter() - start, busy_core_seconds() - busy
             for process in started:
-                process.wait(timeout=TIMEOUT)
+                if process.wait(timeout=TIMEOUT) != 0:
+                    raise RuntimeError("a server failed (its error is above)")
             return wall, busy
         finally:
             for process in started:
@@ -181,12 +196,29 @@ def measure_compute(model: str, steps: int) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     processes = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--compute-job", model, str(steps)],
                                   env=env, stdout=subprocess.PIPE, text=True) for _ in range(WORKERS)]  # fmt: skip
-    outputs = [process.communicate(timeout=TIMEOUT)[0] for process in processes]
+    try:
+        outputs = [process.communicate(timeout=TIMEOUT)[0] for process in processes]
+    finally:
+        for process in processes:  # none outlives a timeout
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     values = [json.loads(line.split(MARK, 1)[1])["seconds"] for output in outputs for line in output.splitlines()
               if MARK in line]  # fmt: skip
     if len(values) != WORKERS:
         raise RuntimeError(f"compute of {model} failed:\n{''.join(outputs)[-2000:]}")
     return max(values)
+
+
+def compute_ms(text: str) -> tuple[str, float]:
+    """argparse's check of ``MODEL=MS``."""
+    model, equals, milliseconds = text.partition("=")
+    try:
+        if model not in MODELS or not equals:
+            raise ValueError(text)
+        return model, float(milliseconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want MODEL=MS, MODEL one of {', '.join(MODELS)}") from None
 
 
 def main() -> None:
@@ -198,7 +230,7 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["1gbit"], help="tc rates, or 'none' for unshaped")
     parser.add_argument("--steps", type=int, default=40, help="exchanges per run")
     parser.add_argument("--runs", type=int, default=5, help="runs (median; >= 5)")
-    parser.add_argument("--compute-ms", nargs="*", default=[], metavar="MODEL=MS",
+    parser.add_argument("--compute-ms", nargs="*", default=[], metavar="MODEL=MS", type=compute_ms,
                         help="a worker's compute time per model (bench/p3.py's); measured here where not given")
     args = parser.parse_args()
     if args.runs < 5:
@@ -209,8 +241,8 @@ def main() -> None:
     available, reason = netns.available()
     if not available:
         parser.error(f"needs network namespaces: {reason}")
-    given = {name: float(ms) / 1e3 for name, _, ms in (item.partition("=") for item in args.compute_ms)}
-    cores = os.cpu_count() or 1
+    given = {name: milliseconds / 1e3 for name, milliseconds in args.compute_ms}
+    cores = len(os.sched_getaffinity(0))  # the cores this process may use (cgroups and affinity included)
     rows, labels, floors, ideals = [], [], [], []
     for model in args.models:
         parameters = sum(p.numel() for p in _model(model)[0].parameters())
@@ -221,18 +253,18 @@ def main() -> None:
             busy = statistics.median(b for _, b in runs) / args.steps
             wire = 0.0 if rate == "none" else parameters * 4 * 8 / parse_rate(rate)
             ideal_step = max(compute, wire)
-            floor_step = max((WORKERS * compute + busy) / cores, wire)
+            floor_step = max(compute, wire, (WORKERS * compute + busy) / cores)
             rows.append([model, rate, f"{parameters * 4 * WORKERS * 2 / 1e6:.1f}", wall * 1e3, busy * 1e3,
                          compute * 1e3, wire * 1e3, ideal_step * 1e3, floor_step * 1e3, ideal_step / floor_step])  # fmt: skip
             labels.append(f"{model} {rate}")
             floors.append(ideal_step / floor_step)
             ideals.append(1.0)
-    headers = ["model", "link", "MB moved per step", "exchange ms per step", "busy core-ms per step",
+    headers = ["model", "link", "MB moved per step", "push, then pull: ms per step", "busy core-ms per step",
                "compute ms (one worker)", "wire ms", "ideal step ms", "floor step ms", "best share of ideal"]  # fmt: skip
     table = markdown_table(headers, rows)
     note = (f"{WORKERS} workers x {SERVERS} servers, each server half the model (float32); median of {args.runs} runs "
-            f"x {args.steps} push/pull exchanges; {cores} cores; floor step = max((workers x compute + busy) / cores,"
-            " wire); best share of ideal = ideal step / floor step")  # fmt: skip
+            f"x {args.steps} push/pull exchanges; {cores} cores; floor step = max(compute, wire, (workers x compute + "
+            "busy) / cores); best share of ideal = ideal step / floor step")  # fmt: skip
     report = write_report("cpu_floor", f"{note}\n\n{table}")
     plot = bar_plot("cpu_floor", "the bytes' own CPU: best reachable share of the ideal", labels,
                     {"ideal": ideals, "best reachable": floors}, "share of ideal")  # fmt: skip

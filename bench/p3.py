@@ -25,7 +25,8 @@ communication, run by each worker of the p3 job interleaved with its measured ru
 ``model bytes / link rate`` is the floor of a worker's communication (every byte leaves once and
 arrives once on a full-duplex link).
 
-Reproduce: .venv/bin/python bench/p3.py   (options: --models, --rates, --runs, --steps, --no-sweep)
+Reproduce: .venv/bin/python bench/p3.py   (options: --models, --rates, --modes, --runs, --steps, --repeats,
+--no-sweep)
 Writes bench/out/p3.png, bench/out/p3.md and bench/out/p3_sweep.md. With ``--compression``: p3-auto
 with and without gradient compression (``p3-auto+fp16``, ``p3-auto+2bit``) at ``--compression-rate``
 instead, written to bench/out/p3_compression_<update>.md (``--update servers|workers``: where the
@@ -85,8 +86,8 @@ MARK = "P3BENCH "
 
 def split_mode(mode: str) -> tuple[str, str]:
     """``"collective-p3-auto@inductor"`` -> ``("collective-p3-auto", "inductor")``; no suffix: aten (DDP: eager)."""
-    base, _, backend = mode.partition("@")
-    return base, backend or "aten"
+    base, at, backend = mode.partition("@")
+    return base, backend if at else "aten"
 
 
 def mode_argument(text: str) -> str:
@@ -95,7 +96,7 @@ def mode_argument(text: str) -> str:
     if base not in (*MODES, *DDP_MODES) or backend not in BACKENDS:
         raise argparse.ArgumentTypeError(f"unknown mode {text!r}: one of {', '.join((*MODES, *DDP_MODES))}, "
                                          f"optionally with @{'/@'.join(BACKENDS)}")  # fmt: skip
-    return text
+    return base if backend == "aten" else text  # "p3@aten" is "p3"
 
 
 def _model(name: str) -> tuple[Any, Any, tuple[Any, ...], int]:
@@ -283,14 +284,14 @@ def run_ddp(model: str, mode: str, rate: str, runs: int, steps: int, backend: st
 
     with netns.Network(num_hosts=WORKERS, rate=None if rate == "none" else rate) as net:
         master, port = net.hosts[0].address, 29_731
-        gloo = {"GLOO_SOCKET_IFNAME": "eth0"} if net.isolated else {}
-        gloo["P3BENCH_BACKEND"] = backend
+        worker_env = {"GLOO_SOCKET_IFNAME": "eth0"} if net.isolated else {}
+        worker_env["P3BENCH_BACKEND"] = backend
         processes = [subprocess.Popen(host.command([sys.executable, str(Path(__file__).resolve()), "--ddp", model,
                                                     mode, str(rank), master, str(port), str(runs), str(steps)]),
-                                      cwd=ROOT, env=_env(**gloo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      cwd=ROOT, env=_env(**worker_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
                      for rank, host in enumerate(net.hosts)]  # fmt: skip
-        outputs = [process.communicate(timeout=_timeout(gloo))[0] for process in processes]
+        outputs = [process.communicate(timeout=_timeout(worker_env))[0] for process in processes]
     output = "\n".join(outputs)
     reports = _results(output)
     if any(process.returncode for process in processes):
@@ -306,7 +307,8 @@ def run_ddp(model: str, mode: str, rate: str, runs: int, steps: int, backend: st
 
 def run_mode(model: str, mode: str, rate: str, runs: int, steps: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Any mode: a `tandem launch` job, or DDP (with its hook) in as many namespaces as workers; "@inductor":
-    tandem's inductor segment backend, DDP under torch.compile."""
+    tandem's inductor segment backend, DDP under torch.compile. A mode without it runs aten (DDP: eager) whatever
+    TANDEM_BACKEND says."""
     base, backend = split_mode(mode)
     if base.partition("+")[0] == "ddp":
         return run_ddp(model, base, rate, runs, steps, backend)
@@ -338,17 +340,18 @@ def goals(measured: dict[tuple[str, str], dict[str, dict[str, Any]]], batch: dic
 
     collective p3 (the best of collective-p3 and collective-p3-auto, either backend) >= 1.0x DDP at every (model,
     rate), >= 1.15x where wire and compute time are within COMPARABLE of each other; parameter-server p3 (the best
-    of p3 and p3-auto) >= 75% of ideal at 1 Gbit/s and >= 1.0x DDP at 100 Mbit/s. DDP is plain DDP (uncompressed,
-    like the modes it is compared with), the faster of eager and compiled where both ran.
+    of p3 and p3-auto, either backend) >= 75% of its backend's ideal at 1 Gbit/s and >= 1.0x DDP at 100 Mbit/s. DDP
+    is plain DDP (uncompressed, like the modes it is compared with), the faster of eager and compiled where both ran.
     """
     lines = []
     for (model, rate), modes in measured.items():
         speed = {mode: batch[model] / value["seconds"] for mode, value in modes.items() if mode != "_ideal"}
-        ideal, compute, wire = modes["_ideal"]["value"], modes["_ideal"]["compute"], modes["_ideal"]["wire"]
-        reference = _plain_ddp(speed)
-        if reference is None:
+        ideals, computes, wire = modes["_ideal"]["value"], modes["_ideal"]["compute"], modes["_ideal"]["wire"]
+        compute = computes.get("aten", next(iter(computes.values())))  # "comm ~ compute": the uncompiled step's
+        plain_ddp_mode = _plain_ddp(speed)
+        if plain_ddp_mode is None:
             continue
-        ddp = speed[reference]
+        ddp = speed[plain_ddp_mode]
         collective = {mode: speed[mode] for mode in speed if split_mode(mode)[0] in ("collective-p3", "collective-p3-auto")}
         if collective:
             best = max(collective, key=collective.__getitem__)
@@ -357,19 +360,26 @@ def goals(measured: dict[tuple[str, str], dict[str, dict[str, Any]]], batch: dic
             target = 1.15 if comparable else 1.0
             lines.append(f"{'met' if ratio >= target else 'MISSED'}: collective p3 >= {target}x ddp on {model} at "
                          f"{rate}{' (comm ~ compute)' if comparable else ''}: {best} {ratio:.2f}x "
-                         f"({collective[best]:.0f} vs {reference}'s {ddp:.0f} samples/s)")  # fmt: skip
+                         f"({collective[best]:.0f} vs {plain_ddp_mode}'s {ddp:.0f} samples/s)")  # fmt: skip
         ps = {mode: speed[mode] for mode in speed if split_mode(mode)[0] in ("p3", "p3-auto")}
         if ps:
             best_ps = max(ps, key=ps.__getitem__)
-            if _rate_bits(rate) == 1e9:
-                share = ps[best_ps] / ideal
+            if _rate_bits(rate) == 1e9:  # each mode against the ideal of its own backend's compute
+                share_of = {mode: value / ideals[split_mode(mode)[1]] for mode, value in ps.items()}
+                best_share = max(share_of, key=share_of.__getitem__)
+                share, ideal = share_of[best_share], ideals[split_mode(best_share)[1]]
                 lines.append(f"{'met' if share >= 0.75 else 'MISSED'}: parameter-server p3 >= 75% of ideal on {model}"
-                             f" at {rate}: {best_ps} {share:.0%} ({ps[best_ps]:.0f} of {ideal:.0f} samples/s)")  # fmt: skip
+                             f" at {rate}: {best_share} {share:.0%} ({ps[best_share]:.0f} of {ideal:.0f} samples/s)")  # fmt: skip
             if _rate_bits(rate) == 1e8:
                 ratio = ps[best_ps] / ddp
                 lines.append(f"{'met' if ratio >= 1.0 else 'MISSED'}: parameter-server p3 >= 1.0x ddp on {model} at "
-                             f"{rate}: {best_ps} {ratio:.2f}x ({ps[best_ps]:.0f} vs {reference}'s {ddp:.0f} samples/s)")  # fmt: skip
+                             f"{rate}: {best_ps} {ratio:.2f}x ({ps[best_ps]:.0f} vs {plain_ddp_mode}'s {ddp:.0f} samples/s)")  # fmt: skip
     return lines
+
+
+def _per_backend(values: dict[str, float], scale: float = 1.0) -> str:
+    """A table cell of one number per backend: "649, 795 @inductor"."""
+    return ", ".join(f"{value * scale:.0f}" + ("" if backend == "aten" else f" @{backend}") for backend, value in values.items())
 
 
 def _plain_ddp(speed: dict[str, float]) -> str | None:
@@ -379,9 +389,11 @@ def _plain_ddp(speed: dict[str, float]) -> str | None:
 
 
 def _median_job(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One mode's jobs (rounds) as one: the medians of their step and compute seconds, every tuner's choice."""
+    """One mode's jobs (rounds) as one: the medians of their step seconds, compute seconds and step / compute
+    (each job's own ratio), every tuner's choice."""
     return {**results[-1], "seconds": statistics.median(result["seconds"] for result in results),
             "compute": statistics.median(result["compute"] for result in results),
+            "relative": statistics.median(result["seconds"] / result["compute"] for result in results),
             "tuned": [result.get("tuned") for result in results]}  # fmt: skip
 
 
@@ -393,7 +405,7 @@ def main_bench(args: argparse.Namespace) -> None:
     available, reason = netns.available()
     if not available:
         print(f"warning: {reason}; every rate runs unshaped on loopback", file=sys.stderr)
-    modes = args.modes
+    modes = list(dict.fromkeys(args.modes))  # a mode named twice runs once
     ratio_modes = [mode for mode in modes if split_mode(mode)[0] in RATIO_MODES]
     auto_modes = [mode for mode in modes if split_mode(mode)[0] in AUTO_MODES]
     rows, throughput, everything = [], {}, {}
@@ -416,27 +428,31 @@ def main_bench(args: argparse.Namespace) -> None:
         if parameters is None:  # DDP modes only: count them here
             parameters = sum(p.numel() for p in _model(model)[0].parameters())
         wire = 0.0 if bits is None else parameters * 4 * 8 / bits
-        # compute: the same step without communication, measured inside a job, interleaved with its runs
-        source = next(mode for mode in ("p3", "collective-p3", *modes) if mode in measured)
-        compute = measured[source]["compute"]
-        ideal = batch / max(compute, wire)
-        everything[(model, rate)] = {**measured, "_ideal": {"value": ideal, "compute": compute, "wire": wire}}
+        # compute: the same step without communication, measured inside a job, interleaved with its runs; one per
+        # backend (a p3 job's where there is one), since compiled segments shorten it
+        computes = {}
+        for backend in dict.fromkeys(split_mode(mode)[1] for mode in modes):
+            preferred = [name if backend == "aten" else f"{name}@{backend}" for name in ("p3", "collective-p3")]
+            source = next(mode for mode in (*preferred, *modes) if mode in measured and split_mode(mode)[1] == backend)
+            computes[backend] = measured[source]["compute"]
+        ideals = {backend: batch / max(compute, wire) for backend, compute in computes.items()}
+        everything[(model, rate)] = {**measured, "_ideal": {"value": ideals, "compute": computes, "wire": wire}}
         speed = {mode: batch / value["seconds"] for mode, value in measured.items()}
         throughput[(model, rate)] = speed
         # the machine is shared: also compare step time in units of each job's own compute time
-        relative = {mode: value["seconds"] / value["compute"] for mode, value in measured.items()}
+        relative = {mode: value["relative"] for mode, value in measured.items()}
         ddps = [mode for mode in speed if split_mode(mode)[0] in DDP_MODES]
         best_ddp = max(ddps, key=speed.__getitem__) if ddps else None
-        reference = _plain_ddp(speed)
+        plain_ddp_mode = _plain_ddp(speed)
         derived = []
         for mode in ratio_modes:
-            if reference is not None:
-                derived += [speed[mode] / speed[reference], relative[reference] / relative[mode]]
+            if plain_ddp_mode is not None:
+                derived += [speed[mode] / speed[plain_ddp_mode], relative[plain_ddp_mode] / relative[mode]]
             if best_ddp is not None:
                 derived.append(speed[mode] / speed[best_ddp])
-        derived += [speed[mode] / ideal for mode in ratio_modes]
-        rows.append([model, rate, *(speed[mode] for mode in modes), *derived, ideal,
-                     f"{compute * 1e3:.0f} / {wire * 1e3:.0f}", best_ddp or "-",
+        derived += [speed[mode] / ideals[split_mode(mode)[1]] for mode in ratio_modes]
+        rows.append([model, rate, *(speed[mode] for mode in modes), *derived, _per_backend(ideals),
+                     f"{_per_backend(computes, 1e3)} / {wire * 1e3:.0f}", best_ddp or "-",
                      *(" / ".join(dict.fromkeys(map(_chose, measured[mode]["tuned"]))) for mode in auto_modes)])  # fmt: skip
     bar.close()
     has_ddp = any(split_mode(mode)[0] == "ddp" for mode in modes)
@@ -596,8 +612,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rates", nargs="+", default=list(RATES), help="tc rates, or 'none' for unshaped")
     parser.add_argument("--modes", nargs="+", default=[*MODES, *DDP_MODES], type=mode_argument,
-                        help="modes of the main table, each optionally with @inductor (and, with --compression, "
-                             "the uncompressed modes compared)")  # fmt: skip
+                        help="modes of the main table, each optionally with @inductor (with --compression: the "
+                             "uncompressed modes compared, no @)")  # fmt: skip
     parser.add_argument("--runs", type=int, default=5, help="runs per job (median; >= 5)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run")
     parser.add_argument("--repeats", type=int, default=1,
@@ -620,6 +636,8 @@ def main() -> None:
         parser.error("--runs must be >= 5 (medians of at least 5 runs)")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if (args.compression or args.backends) and any("@" in mode for mode in args.modes):
+        parser.error("@<backend> modes are for the main table; --compression and --backends run aten")
     if args.compression:
         compression_table(args)
         return
