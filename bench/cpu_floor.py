@@ -14,10 +14,10 @@ the whole machine's, so run it on a quiet one.
 
 The floor: with a worker's compute taking ``compute`` ms of one core (as bench/p3.py measures it,
 both workers computing at once), a step of a data plane that costs at least ``bytes`` core-ms can
-be no shorter than ``max(compute, wire, (2 * compute + bytes) / cores)``, however it overlaps; its
-best share of bench/p3.py's ideal (``batch / max(compute, wire)``) is the ideal step over that. ``--compute-ms
-MODEL=MS`` passes the compute time of a bench/p3.py run; without it the compute is measured here
-(the model's step, eager, both workers at once, one thread each).
+be no shorter than ``max(compute, wire, (2 * compute + bytes) / cores)``, however it overlaps;
+its best share of bench/p3.py's ideal (``batch / max(compute, wire)``) is the ideal step over
+that. ``--compute-ms MODEL=MS`` passes the compute time of a bench/p3.py run; without it the
+compute is measured here (the model's step, eager, both workers at once, one thread each).
 
 Reproduce: python bench/cpu_floor.py --rates 1gbit   (as root, for the namespaces; under a minute)
 Writes bench/out/cpu_floor.md and cpu_floor.png.
