@@ -405,7 +405,7 @@ def main_bench(args: argparse.Namespace) -> None:
     available, reason = netns.available()
     if not available:
         print(f"warning: {reason}; every rate runs unshaped on loopback", file=sys.stderr)
-    modes = list(dict.fromkeys(args.modes))  # a mode named twice runs once
+    args.modes = modes = list(dict.fromkeys(args.modes))  # a mode named twice runs (and is plotted) once
     ratio_modes = [mode for mode in modes if split_mode(mode)[0] in RATIO_MODES]
     auto_modes = [mode for mode in modes if split_mode(mode)[0] in AUTO_MODES]
     rows, throughput, everything = [], {}, {}
@@ -475,7 +475,8 @@ def main_bench(args: argparse.Namespace) -> None:
             "in its own job (load-normalised); 'best ddp': the fastest of ddp and its hooks")  # fmt: skip
     if any(split_mode(mode)[1] != "aten" for mode in modes):
         note += ("; '@inductor': tandem's inductor segment backend, DDP under torch.compile(DDP(model)), their "
-                 "compute columns compiled too; 'ddp' in the ratios and goals: the faster plain DDP")  # fmt: skip
+                 "compute columns compiled too; ideal and compute one per backend; 'ddp' in the ratios and goals: the "
+                 "faster plain DDP")  # fmt: skip
     checked = goals(everything, {model: MODELS[model][2] * WORKERS for model in args.models})
     goal_text = "\n".join(f"- {line}" for line in checked)
     report = write_report("p3", f"{note}\n\n{table}\n\nGoals:\n\n{goal_text}")
