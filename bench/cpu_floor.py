@@ -26,7 +26,6 @@ Writes bench/out/cpu_floor.md and cpu_floor.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -37,11 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
-from bench.common import bar_plot, command_line, markdown_table, write_report  # noqa: E402
-from bench.p3 import MODELS, SERVERS, WORKERS, _model  # noqa: E402
+from bench.common import bar_plot, command_line, interleaved_medians, markdown_table, write_report  # noqa: E402
+from bench.p3 import MODELS, SERVERS, WORKERS, _model, _report, _results, eager_step  # noqa: E402
 
 PORT = 45_820
-MARK = "CPUFLOOR "
 TIMEOUT = 300
 BUSY_FIELDS = (0, 1, 2, 5, 6)  # /proc/stat cpu: user, nice, system, irq, softirq (not idle 3, iowait 4, steal 7)
 
@@ -174,21 +172,8 @@ def compute_job(model: str, steps: int) -> None:
 
     torch.set_num_threads(1)
     module, loss_fn, batch, _ = _model(model)
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(module, *batch).backward()
-        optimizer.step()
-
-    for _ in range(3):
-        step()
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
-    print(MARK + json.dumps({"seconds": statistics.median(seconds)}), flush=True)
+    step = eager_step(module, loss_fn, batch, torch.optim.SGD(module.parameters(), lr=0.01, momentum=0.9))
+    _report(**interleaved_medians({"seconds": step}, repeats=steps, warmup=3))
 
 
 def measure_compute(model: str, steps: int) -> float:
@@ -203,8 +188,7 @@ def measure_compute(model: str, steps: int) -> float:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    values = [json.loads(line.split(MARK, 1)[1])["seconds"] for output in outputs for line in output.splitlines()
-              if MARK in line]  # fmt: skip
+    values = [report["seconds"] for report in _results("".join(outputs))]
     if len(values) != WORKERS:
         raise RuntimeError(f"compute of {model} failed:\n{''.join(outputs)[-2000:]}")
     return max(values)

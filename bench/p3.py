@@ -152,10 +152,11 @@ def servers(mode: str) -> int:
     return 0 if KINDS[mode.partition("+")[0]] == "collective" else SERVERS
 
 
-def ddp_wrap(module: Any, hook: str) -> Any:
+def ddp_wrap(module: Any, hook: str, backend: str = "aten") -> Any:
     """``module`` in DistributedDataParallel (default process group) with the communication hook
     ``hook``: "" (plain all-reduce), "fp16", "bf16" or "powersgd" (PowerSGDState(process_group=None,
-    matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_START), error feedback on)."""
+    matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_START), error feedback on);
+    ``backend`` "inductor": under torch.compile as well."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -172,7 +173,20 @@ def ddp_wrap(module: Any, hook: str) -> Any:
         wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif hook:
         raise ValueError(f"unknown DDP hook {hook!r}: fp16, bf16 or powersgd")
-    return wrapped
+    # PyTorch's order for compiled DDP: wrap, then compile; dynamo's DDPOptimizer splits the graph at
+    # bucket boundaries so that each bucket's all-reduce still starts during backward
+    return torch.compile(wrapped) if backend == "inductor" else wrapped
+
+
+def eager_step(module: Any, loss_fn: Callable[..., Any], batch: tuple[Any, ...], optimizer: Any) -> Callable[[], None]:
+    """One training step of ``module`` with a torch optimizer: zero_grad, loss, backward, step."""
+
+    def run() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(module, *batch).backward()
+        optimizer.step()
+
+    return run
 
 
 def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
@@ -204,34 +218,25 @@ def tandem_job(model: str, mode: str, runs: int, steps: int) -> None:
     trainer.close()
 
 
-def ddp_job(model: str, mode: str, rank: int, master: str, port: int, runs: int, steps: int) -> None:
+def ddp_job(model: str, mode: str, backend: str, rank: int, master: str, port: int, runs: int, steps: int) -> None:
     """One of two DistributedDataParallel processes (gloo allreduce of gradients, torch.optim.SGD),
-    with the communication hook of ``mode`` ("ddp+fp16": fp16_compress_hook, "ddp+powersgd")."""
+    with the communication hook of ``mode`` ("ddp+fp16": fp16_compress_hook, "ddp+powersgd"), under
+    torch.compile where ``backend`` is "inductor" (its compute too)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=WORKERS)
     module, loss_fn, batch, _ = _model(model)
-    wrapped = ddp_wrap(module, mode.partition("+")[2])
+    wrapped = ddp_wrap(module, mode.partition("+")[2], backend)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
     local, *_ = _model(model)  # the same step without communication, interleaved (as in tandem_job)
     local_optimizer = torch.optim.SGD(local.parameters(), lr=0.01, momentum=0.9)
-    if os.environ.get("P3BENCH_BACKEND") == "inductor":
-        # PyTorch's order for compiled DDP: wrap, then compile; dynamo's DDPOptimizer splits the graph at
-        # bucket boundaries so that each bucket's all-reduce still starts during backward
-        wrapped, local = torch.compile(wrapped), torch.compile(local)
-
-    def step(module: Any, optimizer: Any) -> Callable[[], None]:
-        def run() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(module, *batch).backward()
-            optimizer.step()
-
-        return run
-
-    _report(rank=rank, **_timed_runs({"seconds": (step(wrapped, optimizer), lambda: None),
-                                      "compute": (step(local, local_optimizer), lambda: None)}, runs, steps))  # fmt: skip
+    if backend == "inductor":
+        local = torch.compile(local)
+    _report(rank=rank, **_timed_runs({"seconds": (eager_step(wrapped, loss_fn, batch, optimizer), lambda: None),
+                                      "compute": (eager_step(local, loss_fn, batch, local_optimizer), lambda: None)},
+                                     runs, steps))  # fmt: skip
     dist.barrier()  # neither rank tears its connections down while the other still uses them
     dist.destroy_process_group()
 
@@ -254,8 +259,8 @@ def _step_seconds(reports: list[dict[str, Any]], what: str, output: str, field: 
     return statistics.median(max(values) for values in zip(*(report[field] for report in reports)))
 
 
-def _timeout(env: dict[str, str]) -> int:
-    return COMPILED_JOB_TIMEOUT if "inductor" in (env.get("TANDEM_BACKEND"), env.get("P3BENCH_BACKEND")) else JOB_TIMEOUT
+def _timeout(backend: str) -> int:
+    return COMPILED_JOB_TIMEOUT if backend == "inductor" else JOB_TIMEOUT
 
 
 def run_tandem(model: str, mode: str, rate: str, runs: int, steps: int, env: dict[str, str],
@@ -267,7 +272,7 @@ def run_tandem(model: str, mode: str, rate: str, runs: int, steps: int, env: dic
                *[f"--env={name}={value}" for name, value in env.items()], "--",
                sys.executable, str(Path(__file__).resolve()), "--job", model, mode, str(runs), str(steps)]  # fmt: skip
     result = subprocess.run(
-        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=_timeout(env)
+        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=_timeout(env.get("TANDEM_BACKEND", "aten"))
     )
     output = result.stdout + result.stderr
     if result.returncode != 0:
@@ -284,14 +289,14 @@ def run_ddp(model: str, mode: str, rate: str, runs: int, steps: int, backend: st
 
     with netns.Network(num_hosts=WORKERS, rate=None if rate == "none" else rate) as net:
         master, port = net.hosts[0].address, 29_731
-        worker_env = {"GLOO_SOCKET_IFNAME": "eth0"} if net.isolated else {}
-        worker_env["P3BENCH_BACKEND"] = backend
+        gloo = {"GLOO_SOCKET_IFNAME": "eth0"} if net.isolated else {}
         processes = [subprocess.Popen(host.command([sys.executable, str(Path(__file__).resolve()), "--ddp", model,
-                                                    mode, str(rank), master, str(port), str(runs), str(steps)]),
-                                      cwd=ROOT, env=_env(**worker_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                    mode, backend, str(rank), master, str(port), str(runs),
+                                                    str(steps)]),
+                                      cwd=ROOT, env=_env(**gloo), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
                      for rank, host in enumerate(net.hosts)]  # fmt: skip
-        outputs = [process.communicate(timeout=_timeout(worker_env))[0] for process in processes]
+        outputs = [process.communicate(timeout=_timeout(backend))[0] for process in processes]
     output = "\n".join(outputs)
     reports = _results(output)
     if any(process.returncode for process in processes):
@@ -607,7 +612,7 @@ def main() -> None:
         if sys.argv[1] == "--job":
             tandem_job(rest[0], rest[1], int(rest[2]), int(rest[3]))
         else:
-            ddp_job(rest[0], rest[1], int(rest[2]), rest[3], int(rest[4]), int(rest[5]), int(rest[6]))
+            ddp_job(rest[0], rest[1], rest[2], int(rest[3]), rest[4], int(rest[5]), int(rest[6]), int(rest[7]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))

@@ -234,10 +234,9 @@ def ddp_job(mode: str, rank: int, master: str, port: int, args: dict[str, Any]) 
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=args["workers"])
     task = args["task"]
     module, loss_fn = _model(task, args["seed"])
-    wrapped = ddp_wrap(module, mode.partition("+")[2])
+    # with backend inductor, the like-for-like peer: DDP under torch.compile
+    wrapped = ddp_wrap(module, mode.partition("+")[2], args.get("backend", "aten"))
     optimizer = _optimizers(task, args)[1](wrapped.parameters())
-    if args.get("backend", "aten") == "inductor":  # the like-for-like peer: DDP under torch.compile (inductor)
-        wrapped = torch.compile(wrapped)
     _, held_out = _data(task)
 
     def step(*batch: Any) -> None:
