@@ -72,6 +72,9 @@ _declare("TANDEM_SEND_BUCKET_ELEMENTS", int, -1,
          "finished (what is left when backward ends leaves then); fewer, larger sends cost the store fewer "
          "rounds and messages per step. 0: each segment's gradients leave as it ends; -1: the store's choice "
          "(collective: one slice, so every agreement round issues a full collective; parameter server: 0)")
+_declare("TANDEM_COLLECTIVE_ORDERED", bool, True,
+         "collective store under a Trainer: issue each step's slices in the order the step submits them, without "
+         "agreement rounds (0: agree in rounds, so that a slice submitted later may overtake earlier ones: P3)")
 _declare("TANDEM_PS_HEARTBEAT", float, 1.0, "seconds between heartbeats")
 _declare("TANDEM_PS_COALESCE_BYTES", int, 256 * 1024,
          "data requests to one server (and a server's replies to one worker) sent together in one message, "

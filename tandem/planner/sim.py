@@ -236,6 +236,7 @@ class Strategy:
     update_on: Literal["servers", "workers"] = "servers"  # workers: the pulled sums are compressed too
     bucket_bytes: int = 25 * 2**20  # allreduce: DDP's bucket size
     send_bucket_elements: int = -1  # collective: finished gradients a send waits for (-1: one slice; 0: none)
+    ordered: bool = True  # collective: sends issued in submission order without rounds (a Trainer's default)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -919,9 +920,11 @@ class _CollectiveSim:
     """tandem's collective kvstore (``kvstore/collective/scheduler.py``) on identical workers, so one
     worker stands for all: they submit, agree and issue alike, and a collective completes everywhere
     at once. Backward segments' gradients are submitted together once ``send_bucket_elements`` of
-    them (by default one slice's worth) are finished, the rest at the end of backward; a round (an all-reduce of a few
-    integers, one at a time) agrees on them and on the completions so far, then issues from the
-    priority queue while fewer than ``water_mark`` collectives are in flight (one where none is).
+    them (by default one slice's worth) are finished, the rest at the end of backward. ``ordered`` (a
+    Trainer's default): each send's slices, by priority, are issued after the earlier sends' while
+    fewer than ``water_mark`` collectives are in flight (one where none is). Otherwise a round (an
+    all-reduce of a few integers, one at a time) agrees on them and on the completions so far, then
+    issues from the priority queue under the same cap.
     The ring runs one collective at a time (gloo's process group has two threads: a latency-bound
     collective can overlap the next, which this does not model). A completion with slices still
     queued asks for a round.
@@ -949,6 +952,7 @@ class _CollectiveSim:
         self.bucket: list[int] = []  # finished gradients (params) the trainer holds until a slice's worth
         self.bucket_numel = 0
         self.queue: list[tuple[int, int, int, int]] = []  # heap of (param, slice, order, iteration): -param is the priority
+        self.calls: deque[list[tuple[int, int, int, int]]] = deque()  # ordered: each send's heap, in submission order
         self.order = 0
         self.in_flight, self.completed_unseen = 0, 0  # issued, not yet freed by a round; completed since the last round
         self.rounding = False
@@ -992,7 +996,15 @@ class _CollectiveSim:
                     if not self.slices[param]:  # nothing to sum (the store skips empty tensors)
                         self.loop.back[param] = iteration
                 self.bucket, self.bucket_numel = [], 0
-            if self.submitted:  # a segment that sends no gradient has nothing to agree on
+            if self.s.ordered and self.submitted:
+                call = [(param, number, order, iteration)
+                        for order, (param, number, iteration) in enumerate(self.submitted, self.order)]  # fmt: skip
+                self.order += len(call)
+                heapq.heapify(call)
+                self.calls.append(call)
+                self.submitted = []
+                self.issue_ordered()
+            elif self.submitted:  # a segment that sends no gradient has nothing to agree on
                 self.round()
         if self.loop.is_last(index):
             self.backward_end.append(self.events.now)
@@ -1017,12 +1029,20 @@ class _CollectiveSim:
 
         self.collective(0.0, agreed_now)
 
-    def issue(self) -> None:
-        """The next collective: the head of the queue, fused with the slices behind it while they fit in one slice."""
-        param, number, _, iteration = heapq.heappop(self.queue)
+    def issue_ordered(self) -> None:
+        while self.calls and (self.in_flight < self.s.water_mark or self.in_flight == 0):
+            self.issue(self.calls[0])
+            if not self.calls[0]:
+                self.calls.popleft()
+
+    def issue(self, queue: list[tuple[int, int, int, int]] | None = None) -> None:
+        """The next collective: the head of the queue (the round's, or an ordered send's), fused with the
+        slices behind it while they fit in one slice."""
+        queue = self.queue if queue is None else queue
+        param, number, _, iteration = heapq.heappop(queue)
         unit, numel = [(param, number, iteration)], self.slices[param][number]
-        while self.queue and numel + self.slices[self.queue[0][0]][self.queue[0][1]] <= self.s.slice_size:
-            following, following_number, _, following_iteration = heapq.heappop(self.queue)
+        while queue and numel + self.slices[queue[0][0]][queue[0][1]] <= self.s.slice_size:
+            following, following_number, _, following_iteration = heapq.heappop(queue)
             unit.append((following, following_number, following_iteration))
             numel += self.slices[following][following_number]
         self.in_flight += 1
@@ -1039,13 +1059,17 @@ class _CollectiveSim:
     def complete(self, unit: list[tuple[int, int, int]]) -> None:
         self.ring_busy = False
         self.next_on_ring()
-        self.completed_unseen += 1
         for param, _, iteration in unit:
             self.missing[param] -= 1
             if self.missing[param] == 0:
                 self.loop.back[param] = iteration
-        if self.queue:
-            self.round()
+        if self.s.ordered:  # this worker's own credit: no round
+            self.in_flight -= 1
+            self.issue_ordered()
+        else:
+            self.completed_unseen += 1
+            if self.queue:
+                self.round()
         self.loop.advance()
 
     def run(self) -> Prediction:

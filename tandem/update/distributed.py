@@ -12,7 +12,9 @@ Three modes, selectable for comparison (``Trainer(..., communication=...)``):
     or ``serial``, one pushpull of them all (in forward order, so by priority) that the step waits for.
 Where the store asks for it (the collective store: one slice's worth; ``TANDEM_SEND_BUCKET_ELEMENTS``),
 ``overlap`` and ``p3`` hold finished gradients until a bucket of them is full, the rest until backward
-ends: each send costs that store an agreement round.
+ends: small gradients then share collectives. Segments end in graph order (the executor orders
+them), so every worker submits the same sends in the same order, and the collective store issues
+them in that order without agreement rounds (``ordered``; ``TANDEM_COLLECTIVE_ORDERED=0``: rounds).
 In ``overlap`` and ``p3`` the next forward starts each segment as soon as the parameters *it* reads
 are back: before pushing a forward segment, the step's ``before_segment`` hook waits for those
 parameters' replies and pushes one engine op that writes them all (one fused optimizer update; it
@@ -164,6 +166,8 @@ class DistributedUpdate(Update):
         self._received = {n: torch.empty_like(params[n]) for n in self._names}
         if self.mode != "baseline":
             step.add_segment_hook(self._send)
+        if hasattr(self.store, "ordered"):  # segments end in graph order: every worker submits one sequence
+            self.store.ordered = bool(knob("TANDEM_COLLECTIVE_ORDERED"))
         tuner = getattr(self.store, "tuner", None)
         if self.mode == "p3" and tuner is not None:
             tuner.tune_send_timing()  # only a trainer can hold gradients until backward ends

@@ -293,3 +293,58 @@ def test_requests_of_a_batched_block_fail_with_the_store_and_waits_inside_it_are
 
     inside, failed = _each_worker(1, work)[0]
     assert "inside kv.batched()" in inside and "closing" in failed
+
+
+def _jittered_steps(kv: CollectiveKVStore, ordered: Callable[[int], bool], steps: int = 4) -> list[list[torch.Tensor]]:
+    """Pushpulls of SIZES' keys, one call per key, last key first; worker 0 calls without pause, the others
+    pause after each call (a round then ends between two of their calls, not of worker 0's), so that what
+    is ready when differs by worker; ``ordered(call)`` says how each call is issued."""
+    import time
+
+    keys = [f"k{i}" for i in range(len(SIZES))]
+    kv.init(keys, [torch.zeros(size) for size in SIZES])
+    calls, results = itertools.count(), []
+    for step in range(steps):
+        out, handles = [torch.empty(size) for size in SIZES], []
+        for i in reversed(range(len(SIZES))):
+            kv.ordered = ordered(next(calls))
+            handles.append(kv.pushpull(keys[i], _value(SIZES[i], kv.rank, step), out=out[i], priority=-i))
+            time.sleep(0.004 * kv.rank)
+        for handle in handles:
+            handle.wait(timeout=30)
+        results.append(out)
+    return results
+
+
+def _check_sums(results: list[list[list[torch.Tensor]]]) -> None:
+    workers = len(results)
+    for result in results:
+        for step, values in enumerate(result):
+            for size, value in zip(SIZES, values):
+                assert torch.equal(value, sum(_value(size, rank, step) for rank in range(workers))), (size, step)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_ordered_calls_are_issued_in_submission_order_without_rounds(workers: int) -> None:
+    """Where every worker submits the same calls in the same order, ``ordered`` issues them in that order
+    with no agreement round; each worker's own timing and credit do not change what is summed."""
+
+    def work(kv: CollectiveKVStore) -> tuple[list[list[torch.Tensor]], int]:
+        kv.init("warm", torch.zeros(1))  # the scheduler exists from the first init
+        before = kv.rounds
+        results = _jittered_steps(kv, lambda call: True)
+        return results, kv.rounds - before
+
+    outcomes = _each_worker(workers, work, water_mark=1)
+    _check_sums([results for results, _ in outcomes])
+    assert all(rounds == 0 for _, rounds in outcomes), [rounds for _, rounds in outcomes]
+
+
+def test_ordered_calls_and_calls_in_rounds_may_follow_each_other() -> None:
+    """Calls in rounds after an ordered call join the rounds once it is issued here, and an ordered call
+    waits for every call in rounds before it: one sequence everywhere, whatever each worker's timing."""
+
+    def work(kv: CollectiveKVStore) -> list[list[torch.Tensor]]:
+        return _jittered_steps(kv, lambda call: call % 2 == 0, steps=6)
+
+    _check_sums(_each_worker(3, work, water_mark=2))

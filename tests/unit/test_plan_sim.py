@@ -231,12 +231,17 @@ def test_allreduce_buckets_overlap_backward() -> None:
 
 
 def test_collective_one_gradient_by_hand() -> None:
-    """One slice: a round (2 (W-1) steps of latency + 2 message_s), then the ring all-reduce; the next forward waits."""
+    """One slice: ordered (a Trainer's default), the ring all-reduce at once; in rounds, a round (2 (W-1)
+    steps of latency + 2 message_s) first. The next forward waits for it."""
     cluster = at_whole_rate(2, 0, RATE, latency_s=0.01, machine=dataclasses.replace(NO_COST, message_s=0.001))
-    result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7))
+    ordered = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7))
+    assert ordered.iteration_s == pytest.approx(1.5 + allreduce_seconds(4_000_000, cluster))
+    # one collective: 2 (W-1) ring steps of a send and a receive
+    assert (ordered.worker_cpu_s, ordered.server_cpu_s) == pytest.approx((1.5 + 2 * 2 * 0.001, 0.0))
+    result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7, ordered=False))
     assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(0, cluster) + allreduce_seconds(4_000_000, cluster))
     assert result.exposed_s == pytest.approx(result.iteration_s - 1.5)
-    # two collectives (the round, the all-reduce), each 2 (W-1) ring steps of a send and a receive
+    # two collectives (the round, the all-reduce)
     assert (result.worker_cpu_s, result.server_cpu_s) == pytest.approx((1.5 + 2 * 2 * 2 * 0.001, 0.0))
 
 
@@ -262,16 +267,20 @@ def test_where_the_workers_update_their_update_runs_before_the_next_forward() ->
 
 
 def test_collective_slices_overtake_by_priority_under_the_water_mark() -> None:
-    """b (4 slices of 0.5 s, priority -1) is finished at 3 s, a (2 slices, priority 0) at 3.2 s. With water
-    mark 1 a's slices go as soon as b's first completes (3.5 s, its round is free here); with 10, b's four
-    were all issued at 3 s and a waits for them."""
+    """b (4 slices of 0.5 s, priority -1) is finished at 3 s, a (2 slices, priority 0) at 3.2 s. In rounds
+    with water mark 1 a's slices go as soon as b's first completes (3.5 s, its round is free here);
+    with 10, b's four were all issued at 3 s and a waits for them. Ordered, a waits behind b's send
+    whatever the water mark."""
     layers = Workload(("a", "b"), (4_000_000, 8_000_000), (1.0, 1.0), ((0,), (1,)), (1.0, 0.2), ((1,), (0,)))
     cluster = at_whole_rate(2, 0, RATE, latency_s=0.0, **FREE)
-    capped = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=1))
+    capped = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=1, ordered=False))
     assert [(round(t, 6), p, n) for t, p, n in capped.sends[:4]] == [(3.0, 1, 0), (3.5, 0, 0), (4.0, 0, 1), (4.5, 1, 1)]
-    loose = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=10))
+    loose = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=10, ordered=False))
     assert [p for _, p, _ in loose.sends[:6]] == [1, 1, 1, 1, 0, 0]
     assert capped.iteration_s < loose.iteration_s  # a is back (and the next forward starts) 1 s earlier
+    ordered = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=1))
+    assert [(round(t, 6), p) for t, p, _ in ordered.sends[:6]] == [(3.0, 1), (3.5, 1), (4.0, 1), (4.5, 1), (5.0, 0), (5.5, 0)]
+    assert ordered.iteration_s == pytest.approx(loose.iteration_s)
 
 
 @pytest.mark.parametrize(("cores", "expected"), [(math.inf, 5.0), (1.0, 6.0)])
@@ -310,14 +319,16 @@ def test_compressed_collectives_sum_16_bits_and_gather_2_bits() -> None:
     assert two_bit.iteration_s == pytest.approx(1.5 + 0.1875)
 
 
-def test_each_refill_waits_for_a_round() -> None:
+def test_each_refill_waits_for_a_round_unless_ordered() -> None:
     """Water mark 1, 4 slices of 1 MB (0.25 s of wire, 0.1 s of latency), rounds of 0.1 s (2 (W-1)
     latencies of 0.05 s): a round agrees on the gradient, then each completion needs a round before
     the next slice goes."""
     cluster = at_whole_rate(2, 0, RATE, latency_s=0.05, **FREE)
-    result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=250_000, water_mark=1))
+    result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=250_000, water_mark=1, ordered=False))
     one_slice = allreduce_seconds(1_000_000, cluster)  # 0.25 s of wire + 0.1 s of latency
     assert result.iteration_s == pytest.approx(1.5 + 4 * (0.1 + one_slice))
+    ordered = simulate(one_gradient(), cluster, Strategy("collective", slice_size=250_000, water_mark=1))
+    assert ordered.iteration_s == pytest.approx(1.5 + 4 * one_slice)  # ordered: each completion frees its credit here
 
 
 def test_collective_fuses_small_slices_queued_together() -> None:
@@ -325,7 +336,7 @@ def test_collective_fuses_small_slices_queued_together() -> None:
     pair = Workload(("a", "b"), (400, 400), (1.0,), ((0, 1),), (0.5,), ((0, 1),))
     cluster = at_whole_rate(2, 0, RATE, latency_s=0.01, **FREE)
     result = simulate(pair, cluster, Strategy("collective", slice_size=1000))
-    assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(0, cluster) + allreduce_seconds(800, cluster))
+    assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(800, cluster))
     assert len({t for t, _, _ in result.sends}) == len(result.sends) // 2  # each send time carries both
 
 

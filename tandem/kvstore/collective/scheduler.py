@@ -16,6 +16,18 @@ slice overtakes it (P3; ByteScheduler's credit). Slices queued one behind the ot
 collective while together they fit in one slice (``_next_unit``): a small model's many small
 gradients cost a few collectives per step, not one each.
 
+Rounds cost time on a busy link: the round's small all-reduce waits behind the data already
+queued there (milliseconds at 1 Gbit/s), and for every worker's scheduler to join it. An operation
+submitted ``ordered`` skips them, as DDP's buckets do: where every worker submits the same
+operations in the same order (one program, driving its store from one thread), the order of
+submission is the same everywhere, so each worker issues in that order without asking: the slices
+of one ``submit`` call by priority (fused as above), calls one after another, under its own credit
+(collectives completed *here*). What it gives up is P3's overtaking across calls: a later call's
+slices wait behind the earlier calls' backlog, since whether that backlog has left yet differs
+between workers. Both kinds may follow each other: an ordered call waits until every operation
+submitted before it in rounds has been issued, and operations submitted in rounds after an ordered
+call join the rounds once that call is issued here, so every worker issues one sequence.
+
 A worker starts a round when it has something new to say: an operation not yet agreed, or a slice
 completed since the last round while slices wait. Every other worker eventually has the same to say
 (in a synchronous job every worker submits the same operations), so rounds pair up and none waits
@@ -66,6 +78,7 @@ class Operation:
     water_mark: int  # the cap in force when it was submitted (the tuner may change it between steps)
     handle: Handle
     compression: GradientCompression | None = None
+    ordered: bool = False  # issued in submission order without rounds (see the module docstring)
 
     def slices(self) -> list[tuple[int, int]]:
         numel = self.value.numel()
@@ -91,6 +104,9 @@ class _State:
     agreed_completed: int = 0  # collectives completed everywhere
     issued: int = 0  # collectives issued (the same count everywhere)
     credit: int = 1  # collectives allowed in flight: the water mark of the last agreed operation
+    # behind an ordered call, in submission order: ordered calls' slices (a queue each) and later
+    # calls in rounds (their operations, counted as submitted once the calls before them are issued)
+    pending: deque[LanePriorityQueue[_Slice] | list[Operation]] = field(default_factory=deque)
 
 
 class Scheduler:
@@ -133,37 +149,81 @@ class Scheduler:
                 raise self._failed
             if self._stopping:
                 raise KVStoreError("this kvstore is closing; no new operations")
-            state = self._state
-            for operation in operations:
-                state.submitted[operation.index] += 1
-                state.waiting[operation.index].append(operation)
-                self._live.add(operation)
+            self._live.update(operations)
+            if operations and operations[0].ordered:
+                in_order: LanePriorityQueue[_Slice] = LanePriorityQueue()
+                for operation in operations:
+                    _queue_slices(in_order, operation)
+                if in_order:
+                    self._state.pending.append(in_order)
+            else:
+                self._state.pending.append(operations)
+                self._promote()
             self._cond.notify_all()
         for operation in operations:
             operation.handle.add_done_callback(partial(self._forget, operation))
+
+    def _promote(self) -> None:
+        """Calls in rounds at the head of ``pending`` join the rounds (under the lock)."""
+        state = self._state
+        while state.pending and isinstance(head := state.pending[0], list):
+            state.pending.popleft()
+            for operation in head:
+                state.submitted[operation.index] += 1
+                state.waiting[operation.index].append(operation)
 
     def _forget(self, operation: Operation, handle: Handle) -> None:
         with self._cond:
             self._live.discard(operation)
 
     # -- the scheduler thread --------------------------------------------------------------------
+    def _unagreed(self) -> bool:
+        return any(mine > agreed for mine, agreed in zip(self._state.submitted, self._state.agreed))
+
     def _wants_round(self) -> bool:
         state = self._state
-        if any(mine > agreed for mine, agreed in zip(state.submitted, state.agreed)):
+        if self._unagreed():
             return True
         return bool(self._ready) and state.completed > state.agreed_completed
+
+    def _may_issue_ordered(self) -> bool:
+        """An ordered call is next, every operation before it is issued, and this worker's credit allows one more."""
+        state = self._state
+        if not state.pending or self._ready or self._unagreed():
+            return False
+        head = state.pending[0]
+        assert isinstance(head, LanePriorityQueue)  # calls in rounds at the head were promoted
+        credit = head.peek().operation.water_mark
+        return state.issued - state.completed < credit or state.issued == state.completed
 
     def _run(self) -> None:
         try:
             while True:
+                issue = []
                 with self._cond:
-                    while not self._wants_round() or self._broken:
+                    while not (self._may_issue_ordered() or self._wants_round()) or self._broken:
                         if self._stopping or self._broken:
                             return
                         self._cond.wait(POLL_SECONDS)
-                    keys = len(self._state.submitted)  # and its negation: MIN gives the fewest and the most keys
-                    mine = torch.tensor([keys, -keys, *self._state.submitted, self._state.completed], dtype=torch.int64)
-                self._round(mine)
+                    if self._may_issue_ordered():
+                        state = self._state
+                        while self._may_issue_ordered():  # no round: the same sequence on every worker
+                            head = state.pending[0]
+                            assert isinstance(head, LanePriorityQueue)
+                            issue.append(_next_unit(head))
+                            state.issued += 1
+                            if not head:
+                                state.pending.popleft()
+                                self._promote()
+                    else:
+                        keys = len(self._state.submitted)  # and its negation: MIN gives the fewest and the most keys
+                        mine = torch.tensor([keys, -keys, *self._state.submitted, self._state.completed],
+                                            dtype=torch.int64)  # fmt: skip
+                if issue:
+                    for unit in issue:
+                        self._issue(unit)
+                else:
+                    self._round(mine)
         except BaseException as error:  # noqa: BLE001 - every waiter learns of it through its handle
             self.broken(error)
 
@@ -186,8 +246,7 @@ class Scheduler:
                 for _ in range(count - state.agreed[index]):
                     operation = state.waiting[index].popleft()
                     state.credit = operation.water_mark
-                    for number, (begin, end) in enumerate(operation.slices()):
-                        self._ready.put(_Slice(operation, begin, end, number), operation.priority, index)
+                    _queue_slices(self._ready, operation)
                 state.agreed[index] = count
             state.agreed_completed = agreed[-1]
             issue = []
@@ -279,7 +338,7 @@ class Scheduler:
     def _completed(self) -> None:
         with self._cond:
             self._state.completed += 1
-            if self._ready:
+            if self._ready or self._state.pending:
                 self._cond.notify_all()
 
     def broken(self, error: BaseException) -> None:
@@ -307,15 +366,17 @@ class Scheduler:
 
     def _drain(self) -> list[_Slice]:
         parts = []
-        while self._ready:
-            parts.append(self._ready.pop())
+        for waiting in (self._ready, *self._state.pending):
+            while isinstance(waiting, LanePriorityQueue) and waiting:
+                parts.append(waiting.pop())
+        self._state.pending.clear()  # their operations fail through _live
         return parts
 
     def idle(self) -> bool:
         """Nothing submitted here waits for agreement or to be issued."""
         with self._cond:
             state = self._state
-            return not self._ready and all(mine == agreed for mine, agreed in zip(state.submitted, state.agreed))
+            return not self._ready and not state.pending and not self._unagreed()
 
     def stop(self, timeout: float) -> None:
         """Stop the scheduler thread once it has nothing to do (or at once where the job failed)."""
@@ -334,6 +395,12 @@ def _same_memory(one: torch.Tensor, other: torch.Tensor) -> bool:
 
 def _nothing() -> None:
     pass
+
+
+def _queue_slices(queue: LanePriorityQueue[_Slice], operation: Operation) -> None:
+    """``operation``'s slices, in the queue by its priority, in its key's lane (never reordered within a key)."""
+    for number, (begin, end) in enumerate(operation.slices()):
+        queue.put(_Slice(operation, begin, end, number), operation.priority, operation.index)
 
 
 def _next_unit(ready: LanePriorityQueue[_Slice]) -> list[_Slice]:

@@ -3,7 +3,8 @@
 A push or pushpull of a key is an all-reduce (sum over workers) of its value, cut into slices of
 ``slice_size`` elements, issued by the scheduler (``scheduler.py``) in priority order with at most
 ``water_mark`` collectives in flight (each one slice, or small slices fused up to one slice's
-size), the same collectives in the same order on every worker. What a
+size), the same collectives in the same order on every worker: agreed in rounds, or, with
+``ordered`` (a Trainer's default), in the order every worker submits them. What a
 dist_sync store without a server-side optimizer stores, this one computes: the sum of the round's
 pushes, which ``pushpull`` writes into ``out`` and ``pull`` returns. Optimizers run on the workers
 (the Trainer applies each parameter's update to the summed gradient on every worker, so the
@@ -87,6 +88,9 @@ class CollectiveKVStore(KVStore):
         self._compression: GradientCompression | None = None
         self.slice_size, self.water_mark = start_slice_size(p3), p3.water_mark
         self.send_timing = "during"  # read by the trainer each step (p3_tuner.SEND_TIMINGS)
+        # issue in submission order, without agreement rounds (scheduler.py): only where every worker
+        # submits the same operations in the same order (a Trainer turns it on: TANDEM_COLLECTIVE_ORDERED)
+        self.ordered = False
         self.tuner: AutoTuner | None = tuner_for(p3, self._apply, self._agree)
         atexit.register(self._close_at_exit)
 
@@ -105,8 +109,8 @@ class CollectiveKVStore(KVStore):
     @property
     def send_bucket_elements(self) -> int:
         """What a trainer's send waits for by default (TANDEM_SEND_BUCKET_ELEMENTS=-1): one slice of
-        finished gradients, so each agreement round (a small all-reduce and a wake-up of every
-        worker's scheduler) issues at least one full collective rather than a segment's few small ones."""
+        finished gradients, so that a segment's few small gradients share a collective (and, in
+        rounds, each agreement round issues at least one full collective)."""
         return int(self.slice_size)
 
     @property
@@ -219,7 +223,7 @@ class CollectiveKVStore(KVStore):
             self._latest[key] = target
             compression = self._compression if value.dtype in COMPRESSIBLE else None
             operations.append(Operation(index, key, value, target, self.slice_size, priority, self.water_mark,
-                                        None, compression))  # type: ignore[arg-type]  # fmt: skip
+                                        None, compression, self.ordered))  # type: ignore[arg-type]  # fmt: skip
         parts = sum(len(operation.slices()) for operation in operations)
         handle = Handle(f"{what} of {_describe([key for key, _ in items])}", parts,
                         (lambda: _copy_out(copies)) if copies else None)  # fmt: skip
