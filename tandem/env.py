@@ -40,6 +40,9 @@ _declare("TANDEM_BULK_INFERENCE", bool, True, "run inference graphs as one segme
 _declare("TANDEM_BULK_MAX_NODE_TRAIN", int, 15, "max op nodes per training segment (placeholders do not count)")
 _declare("TANDEM_BULK_MAX_NODE_TRAIN_FWD", int, -1, "forward cap; overrides TANDEM_BULK_MAX_NODE_TRAIN when >= 0")
 _declare("TANDEM_BULK_MAX_NODE_TRAIN_BWD", int, -1, "backward cap; overrides TANDEM_BULK_MAX_NODE_TRAIN when >= 0")
+_declare("TANDEM_BULK_CUT_GRADIENT", int, -1,
+         "a backward segment also ends after the op that finishes a gradient of at least this many elements, so that "
+         "it can be sent at once (0: never; -1: 65536 in distributed training, never alone)")
 # backend
 _declare("TANDEM_BACKEND", str, "aten",
          "how segments become code: 'aten' (generated Python over aten ops) or 'inductor' (compiled kernels)")

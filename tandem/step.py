@@ -41,6 +41,9 @@ class StepConfig:
         bulk: cut the graph into segments of several nodes (None: ``TANDEM_BULK_TRAIN``, on).
         bulk_fwd: forward segment cap in op nodes (None: ``TANDEM_BULK_MAX_NODE_TRAIN[_FWD]``, 15).
         bulk_bwd: backward segment cap in op nodes (None: ``TANDEM_BULK_MAX_NODE_TRAIN[_BWD]``, 15).
+        bulk_cut_gradient: a backward segment also ends after the op that finishes a gradient of at least
+            this many elements, so that it is sent at once (None: ``TANDEM_BULK_CUT_GRADIENT``; 0: never;
+            a distributed Trainer's default is 65536, training alone never).
         recapture: capture again for a batch of new shapes; False raises ``BatchMismatchError`` instead.
         max_captures: captured graphs kept per step; beyond it the oldest is dropped.
         measure_memory: measure every step's memory, not only the first step of each captured shape.
@@ -60,6 +63,7 @@ class StepConfig:
     bulk: bool | None = None  # bulk into segments (None: TANDEM_BULK_TRAIN)
     bulk_fwd: int | None = None  # forward segment cap (None: TANDEM_BULK_MAX_NODE_TRAIN[_FWD]; WHOLE: one segment)
     bulk_bwd: int | None = None  # backward segment cap
+    bulk_cut_gradient: int | None = None  # backward segments end after large gradients (distributed training)
     recapture: bool = True  # a batch of new shapes is captured again (False: raise)
     max_captures: int = 8  # graphs kept per step before the oldest is dropped
     measure_memory: bool = False  # measure every step (the first step is always measured)
@@ -77,8 +81,10 @@ class StepConfig:
         if self.max_captures < 1:
             raise ValueError(f"max_captures must be >= 1, got {self.max_captures}")
         # resolved once, here: a bad mirror= is refused at tandem.compile / Trainer(...), and no pass reads the env
+        if self.bulk_cut_gradient is not None and self.bulk_cut_gradient < 0:
+            raise ValueError(f"bulk_cut_gradient must be >= 0 elements (0: never cut), got {self.bulk_cut_gradient}")
         self.plan = PlanConfig.resolve(self.mirror, self.bulk, self.bulk_fwd, self.bulk_bwd, self.checkpoint_regions,
-                                       self.backend)
+                                       self.backend, self.bulk_cut_gradient)
 
     def options(self) -> dict[str, Any]:
         """The options this config was made from (what ``from_options`` takes)."""

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from tandem import checkpoint
 from tandem.checkpoint import atomic_save
+from tandem.env import knob
 from tandem.graph.batch import as_arguments, batch_size_of
 from tandem.graph.capture import LossFn
 from tandem.kvstore.compression import GradientCompression
@@ -40,6 +41,9 @@ from tandem.step import compile as compile_step
 from tandem.update import DistributedUpdate, LocalUpdate, OptimizerApply, Update
 
 CHECKPOINT_FORMAT = 1
+# distributed training: a backward segment ends after a gradient this large (256 KB of float32, 2 ms
+# at 1 Gbit/s), so it leaves at once (bulk_cut_gradient)
+DISTRIBUTED_GRADIENT_CUT = 65_536
 
 
 @dataclass
@@ -72,6 +76,9 @@ class TrainerConfig:
             raise ValueError(f"unknown kvstore {self.kvstore!r}; choose one of {list(KINDS)} (or None: local)")
         else:  # resolved once, here: a bad kvstore option is refused at Trainer(...), before the job is joined
             self.store = KVStoreConfig.resolve(self.kvstore or "local", **(self.kvstore_options or {}))
+        if self.store.distributed and self.step.bulk_cut_gradient is None and knob("TANDEM_BULK_CUT_GRADIENT") < 0:
+            # a large layer's gradient leaves as the op that finishes it ends, not with its segment's others
+            self.step = dataclasses.replace(self.step, bulk_cut_gradient=DISTRIBUTED_GRADIENT_CUT)
         if self.store.distributed and self.step.plan.backend == "inductor" and self.step.bulk_fwd is None \
                 and self.step.bulk_bwd is None:
             # each gradient is sent as its backward segment ends and (P3) each forward segment starts

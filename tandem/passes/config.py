@@ -106,15 +106,19 @@ class PlanConfig:
     whole_inference: bool = True  # an inference graph runs as one segment
     checkpoint_regions: bool = True  # recompute what the model wrapped in torch.utils.checkpoint
     backend: str = "aten"  # how segments become code (tandem.backends)
+    gradient_cut: int = 0  # a backward segment ends after finishing a gradient of >= this many elements (0: never)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {list(BACKENDS)}")
+        if self.gradient_cut < 0:
+            raise ValueError(f"gradient_cut must be >= 0 elements (0: never cut), got {self.gradient_cut}")
 
     @staticmethod
     def resolve(mirror: str | float | MirrorPolicy | None = None, bulk: bool | None = None,
                 bulk_fwd: int | None = None, bulk_bwd: int | None = None,
-                checkpoint_regions: bool = True, backend: str | None = None) -> PlanConfig:
+                checkpoint_regions: bool = True, backend: str | None = None,
+                bulk_cut_gradient: int | None = None) -> PlanConfig:
         """Explicit values beat the knobs (TANDEM_MIRROR, TANDEM_BULK_*, TANDEM_BACKEND); None takes the knob.
 
         With the inductor backend a phase is one segment unless a cap is given (or recomputation
@@ -127,4 +131,5 @@ class PlanConfig:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
         caps = resolve_caps(bulk, bulk_fwd, bulk_bwd, default=WHOLE if backend == "inductor" else None)
-        return PlanConfig(policy, caps, knob("TANDEM_BULK_INFERENCE"), checkpoint_regions, backend)
+        cut = knob("TANDEM_BULK_CUT_GRADIENT") if bulk_cut_gradient is None else bulk_cut_gradient
+        return PlanConfig(policy, caps, knob("TANDEM_BULK_INFERENCE"), checkpoint_regions, backend, max(cut, 0))

@@ -136,3 +136,44 @@ def test_segments_name_tied_parameters_by_their_first_name() -> None:
     readers = [s.index for s in step.executor.segments if "embedding.weight" in s.parameters and s.phase == "forward"]
     assert all("decoder.weight" not in s.parameters for s in step.executor.segments)
     assert len(readers) >= 2, "the embedding lookup and the decoder both wait for the tied weight"
+
+
+def test_a_large_gradient_ends_its_backward_segment() -> None:
+    """``bulk_cut_gradient``: the op that finishes a gradient of that many elements ends its segment (the
+    getitems picking its other outputs stay with it), so a hook gets it alone, before the layers below;
+    the step computes exactly what it computed uncut."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.ReLU(), torch.nn.Linear(300, 300), torch.nn.ReLU(),
+                                 torch.nn.Linear(300, 8))  # fmt: skip
+    batch = (torch.randn(16, 32), torch.randint(0, 8, (16,)))
+
+    def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    whole = tandem.compile(module, loss_fn, *batch, bulk_bwd=WHOLE)
+    cut = tandem.compile(module, loss_fn, *batch, bulk_bwd=WHOLE, bulk_cut_gradient=90_000)  # only 2.weight (90k)
+    sent: list[list[str]] = []
+    cut.add_segment_hook(lambda gradients: sent.append([name for name, _ in gradients]))
+    expected, result = whole(*batch), cut(*batch)
+    assert torch.equal(result.loss, expected.loss)
+    for name, grad in expected.grads.items():
+        assert torch.equal(result.grads[name], grad), name
+    backward = [nodes for nodes in _segments(cut) if cut.graph.phase_of(nodes[0]) == Phase.BACKWARD]
+    assert len(backward) == 2 == len([nodes for nodes in _segments(whole) if whole.graph.phase_of(nodes[0]) == Phase.BACKWARD]) + 1
+    gradient = cut.graph.grads["2.weight"]
+    first = backward[0]
+    assert gradient in first and all(node.target is operator.getitem for node in first[first.index(gradient) + 1 :])
+    assert "2.weight" in sent[0] and "0.weight" in sent[-1] and "0.weight" not in sent[0]
+    with pytest.raises(ValueError, match="bulk_cut_gradient must be >= 0"):
+        tandem.compile(module, loss_fn, *batch, bulk_cut_gradient=-1)
+
+
+def test_a_distributed_trainer_cuts_after_large_gradients_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.step import StepConfig
+    from tandem.trainer import DISTRIBUTED_GRADIENT_CUT, TrainerConfig
+
+    assert TrainerConfig().step.plan.gradient_cut == 0  # training alone sends nothing
+    assert TrainerConfig(kvstore="dist_sync").step.plan.gradient_cut == DISTRIBUTED_GRADIENT_CUT
+    assert TrainerConfig(kvstore="collective", step=StepConfig(bulk_cut_gradient=0)).step.plan.gradient_cut == 0
+    monkeypatch.setenv("TANDEM_BULK_CUT_GRADIENT", "1000")
+    assert TrainerConfig(kvstore="dist_sync").step.plan.gradient_cut == 1000
