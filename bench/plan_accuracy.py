@@ -155,7 +155,8 @@ def run_grid(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                            "server_cpu": measured.server_cpu_s, "worker_threads": measured.worker_threads,
                            "compute_scale": scale, "profile_compute_s": found.compute_s,
                            "seconds": time.time() - start, "load_before": load, "load_after": os.getloadavg()[0],
-                           "background": background, "background_after": background_threads()}  # fmt: skip
+                           "background": background, "background_after": background_threads(),
+                           "ordered": strategy.ordered}  # fmt: skip
                     row["compute_scale_after"] = compute_now(model) / found.compute_s  # and its speed right after
                     done[key] = row
                     with log.open("a") as f:
@@ -242,7 +243,10 @@ def resimulate(row: dict[str, Any], out: Path, background: float = 0.0, costs: A
         costs = Machine(**row["machine"]) if "machine" in row else load(out / "machine.json")  # as it was planned
     machine = dataclasses.replace(costs, background=background)
     knobs = re.match(r"(?:p3|collective) \((\d+)k, wm (\d+)\)", row["label"])
-    strategy = Strategy(row["mode"], int(knobs[1]) * 1000, int(knobs[2])) if knobs else Strategy(row["mode"])
+    # a job recorded without "ordered" ran before the collective store's ordered sends: in rounds
+    ordered = bool(row.get("ordered", False))
+    strategy = (Strategy(row["mode"], int(knobs[1]) * 1000, int(knobs[2]), ordered=ordered) if knobs
+                else Strategy(row["mode"], ordered=ordered))  # fmt: skip
     cluster = Cluster(row["workers"], row["servers"], parse_rate(UNSHAPED if row["rate"] == "none" else row["rate"]),
                       machine=machine)  # fmt: skip
     scale = row.get("compute_scale", 1.0) if scale is None else scale

@@ -73,11 +73,12 @@ _declare("TANDEM_PS_BATCH_SEGMENTS", bool, True,
 _declare("TANDEM_SEND_BUCKET_ELEMENTS", int, -1,
          "overlap and p3: backward segments' gradients leave together once at least this many elements are "
          "finished (what is left when backward ends leaves then); fewer, larger sends cost the store fewer "
-         "rounds and messages per step. 0: each segment's gradients leave as it ends; -1: the store's choice "
-         "(collective: one slice, so every agreement round issues a full collective; parameter server: 0)")
-_declare("TANDEM_COLLECTIVE_ORDERED", bool, True,
-         "collective store under a Trainer: issue each step's slices in the order the step submits them, without "
-         "agreement rounds (0: agree in rounds, so that a slice submitted later may overtake earlier ones: P3)")
+         "collectives (rounds) and messages per step. 0: each segment's gradients leave as it ends; -1: the store's "
+         "choice (collective: one slice, so small gradients share a collective; parameter server: 0)")
+_declare("TANDEM_COLLECTIVE_ORDERED", str, "auto",
+         "collective store under a Trainer: 1 issues each step's sends in the order they are made, without agreement "
+         "rounds; 0 agrees in rounds, where a slice sent later may overtake earlier ones (P3); auto: in order for "
+         "communication='overlap', rounds for 'p3', and with slice_size='auto' the tuner chooses")
 _declare("TANDEM_PS_HEARTBEAT", float, 1.0, "seconds between heartbeats")
 _declare("TANDEM_PS_COALESCE_BYTES", int, 256 * 1024,
          "data requests to one server (and a server's replies to one worker) sent together in one message, "

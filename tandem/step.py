@@ -80,9 +80,10 @@ class StepConfig:
             raise TypeError(f"checkpoint_regions must be True or False, got {self.checkpoint_regions!r}")
         if self.max_captures < 1:
             raise ValueError(f"max_captures must be >= 1, got {self.max_captures}")
+        cut = self.bulk_cut_gradient
+        if cut is not None and (not isinstance(cut, int) or cut < 0):
+            raise ValueError(f"bulk_cut_gradient must be an int >= 0 (elements; 0: never cut), got {cut!r}")
         # resolved once, here: a bad mirror= is refused at tandem.compile / Trainer(...), and no pass reads the env
-        if self.bulk_cut_gradient is not None and self.bulk_cut_gradient < 0:
-            raise ValueError(f"bulk_cut_gradient must be >= 0 elements (0: never cut), got {self.bulk_cut_gradient}")
         self.plan = PlanConfig.resolve(self.mirror, self.bulk, self.bulk_fwd, self.bulk_bwd, self.checkpoint_regions,
                                        self.backend, self.bulk_cut_gradient)
 
@@ -388,8 +389,8 @@ def compile(module: nn.Module, loss_fn: LossFn, *example_batch: Any, **options: 
 
     Batch elements are tensors or dicts/tuples/lists of tensors (``loss_fn(module, batch)`` with a
     transformers collator's dict works); non-tensor leaves are static: a new value captures again.
-    Options: see StepConfig (mirror, bulk, bulk_fwd, bulk_bwd, recapture, max_captures,
-    measure_memory, checkpoint_regions).
+    Options: see StepConfig (mirror, bulk, bulk_fwd, bulk_bwd, bulk_cut_gradient, recapture, max_captures,
+    measure_memory, checkpoint_regions, backend).
 
     Example:
         ```python

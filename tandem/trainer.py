@@ -29,21 +29,17 @@ from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from tandem import checkpoint
 from tandem.checkpoint import atomic_save
-from tandem.env import knob
 from tandem.graph.batch import as_arguments, batch_size_of
 from tandem.graph.capture import LossFn
 from tandem.kvstore.compression import GradientCompression
 from tandem.kvstore.config import KVStoreConfig
-from tandem.passes.config import resolve_caps
+from tandem.passes.config import distributed_gradient_cut, resolve_caps
 from tandem.progress import progress_options
 from tandem.step import EvalStep, StepConfig, StepResult, TrainStep, compile_eval
 from tandem.step import compile as compile_step
 from tandem.update import DistributedUpdate, LocalUpdate, OptimizerApply, Update
 
 CHECKPOINT_FORMAT = 1
-# distributed training: a backward segment ends after a gradient this large (256 KB of float32, 2 ms
-# at 1 Gbit/s), so it leaves at once (bulk_cut_gradient)
-DISTRIBUTED_GRADIENT_CUT = 65_536
 
 
 @dataclass
@@ -76,9 +72,9 @@ class TrainerConfig:
             raise ValueError(f"unknown kvstore {self.kvstore!r}; choose one of {list(KINDS)} (or None: local)")
         else:  # resolved once, here: a bad kvstore option is refused at Trainer(...), before the job is joined
             self.store = KVStoreConfig.resolve(self.kvstore or "local", **(self.kvstore_options or {}))
-        if self.store.distributed and self.step.bulk_cut_gradient is None and knob("TANDEM_BULK_CUT_GRADIENT") < 0:
+        if self.store.distributed and self.communication != "baseline" and self.step.bulk_cut_gradient is None:
             # a large layer's gradient leaves as the op that finishes it ends, not with its segment's others
-            self.step = dataclasses.replace(self.step, bulk_cut_gradient=DISTRIBUTED_GRADIENT_CUT)
+            self.step = dataclasses.replace(self.step, bulk_cut_gradient=distributed_gradient_cut(None))
         if self.store.distributed and self.step.plan.backend == "inductor" and self.step.bulk_fwd is None \
                 and self.step.bulk_bwd is None:
             # each gradient is sent as its backward segment ends and (P3) each forward segment starts

@@ -99,6 +99,19 @@ def resolve_caps(bulk: bool | None, bulk_fwd: int | None, bulk_bwd: int | None, 
 
 
 
+# where gradients are sent, a backward segment ends after a gradient this large (256 KB of float32,
+# 2 ms at 1 Gbit/s), so that it leaves at once (bulk_cut_gradient)
+DISTRIBUTED_GRADIENT_CUT = 65_536
+
+
+def distributed_gradient_cut(explicit: int | None) -> int | None:
+    """``bulk_cut_gradient`` for a step whose gradients are sent per segment: ``explicit``, else
+    ``TANDEM_BULK_CUT_GRADIENT`` where set (>= 0), else ``DISTRIBUTED_GRADIENT_CUT``."""
+    if explicit is not None:
+        return explicit
+    return knob("TANDEM_BULK_CUT_GRADIENT") if knob("TANDEM_BULK_CUT_GRADIENT") >= 0 else DISTRIBUTED_GRADIENT_CUT
+
+
 @dataclass(frozen=True)
 class PlanConfig:
     mirror: MirrorPolicy = MirrorPolicy("off")  # backward mirroring policy (docs/mirroring.md)

@@ -4,9 +4,9 @@ Walk op nodes in graph (execution) order; a segment closes when it holds ``cap``
 at the forward/backward boundary, and (``gradient_cut``, distributed training) after the op that
 finishes a gradient of at least that many elements: its segment's gradients leave when the
 segment ends, and a large layer's backward is worth an engine op of its own (vgg11 x0.25 kept
-its three widest convolutions' gradients in one 18 ms segment, sent together at its end). Placeholders (parameters, buffers, inputs) are not nodes here at
-all, and ``getitem`` (picking one output of a multi-output op) is not counted: neither costs a
-kernel, and cutting or counting at them is what kept MXNet's old segments under 2 nodes. Forward
+its three widest convolutions' gradients in one 18 ms segment, sent together at its end).
+Placeholders (parameters, buffers, inputs) are not nodes here at all, and ``getitem`` (picking
+one output of a multi-output op) is not counted: neither costs a kernel, and cutting or counting at them is what kept MXNet's old segments under 2 nodes. Forward
 and backward have separate caps because a backward segment's gradients cannot be sent before the
 segment ends: smaller backward segments let communication start earlier.
 
@@ -62,7 +62,8 @@ def segments_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
     recompute_unit_min = max(RECOMPUTE_UNIT_MIN_NODES, backward_size // RECOMPUTE_UNITS_MAX)
     after_recompute = False  # the last counted node was a recomputation
     head_cut = keep_recompute_in_place and config.mirror.name == "budget"  # cut before the first recompute run
-    large_gradients = {node for node in graph.grads.values() if config.gradient_cut and _numel(node) >= config.gradient_cut}
+    cut = config.gradient_cut
+    large_gradients = {node for node in graph.grads.values() if cut and _numel(node) >= cut}
     after_large_gradient = False  # the next counted node starts a segment
     for node in graph.op_nodes():
         node_phase = graph.phase_of(node)

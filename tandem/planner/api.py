@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from tandem.passes.config import distributed_gradient_cut
 from tandem.planner.profile import Profile, describe, profile
 from tandem.planner.search import Plan, Target, search
 from tandem.planner.sim import MODES, Machine
@@ -54,7 +55,9 @@ def plan(model: nn.Module | Profile | str | Path, loss_fn: Any = None, batch: Se
             parameters, shapes, fingerprint = describe(model, batch)
             found.check(name, fingerprint, parameters, shapes)
         else:
-            found = profile(model, loss_fn, batch, name, runs=runs, **step_options)
+            # segments as a distributed Trainer cuts them (every mode the planner weighs sends gradients)
+            cut = distributed_gradient_cut(step_options.pop("bulk_cut_gradient", None))
+            found = profile(model, loss_fn, batch, name, runs=runs, bulk_cut_gradient=cut, **step_options)
     if measure:  # else machine's costs
         from tandem.planner.measure import measure_machine
 

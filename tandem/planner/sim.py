@@ -15,10 +15,11 @@ What it simulates, per mode (``Strategy.mode``), for ``Cluster.workers`` identic
   - ``allreduce``: no servers; gradients bucketed in backward order, each bucket ring-all-reduced
     when its last gradient is ready, one bucket at a time (``allreduce_seconds``);
   - ``collective``: no servers; tandem's collective kvstore (``_CollectiveSim``): a backward
-    segment's gradients cut into slices, agreed in a round (a small all-reduce) and queued by
-    priority, small ones fused up to a slice; one ring all-reduce at a time, at most ``water_mark``
-    issued ahead of their completion, each completion refilled by a round; the next forward starts
-    each segment once the parameters it reads are summed.
+    segment's gradients cut into slices, by priority, small ones fused up to a slice, agreed in
+    rounds (small all-reduces, each completion refilled by a round; ``Strategy.ordered``: issued in
+    the order they are sent, no rounds); one ring all-reduce at a time, at most
+    ``water_mark`` issued ahead of their completion; the next forward starts each segment once the
+    parameters it reads are summed.
 The network: every host (worker or server) has a full-duplex NIC, an uplink and a downlink of
 ``rate`` each (``Link``): a FIFO per peer (a TCP connection), the flows to (or from) different peers
 sharing the rate while several have bytes queued. A message takes ``bytes / (rate x
@@ -236,7 +237,9 @@ class Strategy:
     update_on: Literal["servers", "workers"] = "servers"  # workers: the pulled sums are compressed too
     bucket_bytes: int = 25 * 2**20  # allreduce: DDP's bucket size
     send_bucket_elements: int = -1  # collective: finished gradients a send waits for (-1: one slice; 0: none)
-    ordered: bool = True  # collective: sends issued in submission order without rounds (a Trainer's default)
+    # collective: sends issued in the order they are made, without rounds (TANDEM_COLLECTIVE_ORDERED=1;
+    # a Trainer's p3 agrees in rounds unless its tuner chooses otherwise)
+    ordered: bool = field(default_factory=lambda: knob("TANDEM_COLLECTIVE_ORDERED") == "1")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -920,14 +923,14 @@ class _CollectiveSim:
     """tandem's collective kvstore (``kvstore/collective/scheduler.py``) on identical workers, so one
     worker stands for all: they submit, agree and issue alike, and a collective completes everywhere
     at once. Backward segments' gradients are submitted together once ``send_bucket_elements`` of
-    them (by default one slice's worth) are finished, the rest at the end of backward. ``ordered`` (a
-    Trainer's default): each send's slices, by priority, are issued after the earlier sends' while
-    fewer than ``water_mark`` collectives are in flight (one where none is). Otherwise a round (an
+    them (by default one slice's worth) are finished, the rest at the end of backward. A round (an
     all-reduce of a few integers, one at a time) agrees on them and on the completions so far, then
-    issues from the priority queue under the same cap.
+    issues from the priority queue while fewer than ``water_mark`` collectives are in flight (one
+    where none is). ``ordered``: each send's slices, by priority, are issued after the earlier
+    sends' under the same cap, without rounds.
     The ring runs one collective at a time (gloo's process group has two threads: a latency-bound
-    collective can overlap the next, which this does not model). A completion with slices still
-    queued asks for a round.
+    collective can overlap the next, which this does not model). In rounds, a completion with slices
+    still queued asks for a round.
 
     A collective (a round too) takes ``allreduce_seconds`` on the ring and its worker's CPU ``2 (W-1)``
     steps of a send and a receive (``single_message_s`` each, ``byte_s`` per byte); fp16 and bf16
@@ -948,13 +951,13 @@ class _CollectiveSim:
         self.cpu = CPU(self.events, machine.cores / share, machine.background / share)
         self.ring: deque[list[tuple[int, int, int]]] = deque()  # issued, waiting for the ring
         self.ring_busy = False
-        self.submitted: list[tuple[int, int, int]] = []  # (param, slice, iteration) not yet agreed
+        self.submitted: list[tuple[int, int, int]] = []  # (param, slice, iteration) sent, not yet agreed (or queued: ordered)
         self.bucket: list[int] = []  # finished gradients (params) the trainer holds until a slice's worth
         self.bucket_numel = 0
         self.queue: list[tuple[int, int, int, int]] = []  # heap of (param, slice, order, iteration): -param is the priority
         self.calls: deque[list[tuple[int, int, int, int]]] = deque()  # ordered: each send's heap, in submission order
         self.order = 0
-        self.in_flight, self.completed_unseen = 0, 0  # issued, not yet freed by a round; completed since the last round
+        self.in_flight, self.completed_unseen = 0, 0  # issued, not yet freed (ordered: by its completion; else by a round); completed since the last round
         self.rounding = False
         self.missing = [0] * len(workload.names)
         self.loop = _ComputeLoop(workload, self.events, self.cpu, iterations, self.segment_done,
@@ -990,7 +993,7 @@ class _CollectiveSim:
             # the trainer's send bucket (TANDEM_SEND_BUCKET_ELEMENTS), the rest when backward ends
             bucket = self.s.slice_size if self.s.send_bucket_elements < 0 else self.s.send_bucket_elements
             if self.bucket_numel >= bucket or self.loop.is_last(index):
-                for param in self.bucket:  # kv.batched(): one round sees them all
+                for param in self.bucket:  # kv.batched(): one send (one round sees them all)
                     self.missing[param] = len(self.slices[param])
                     self.submitted.extend((param, number, iteration) for number in range(len(self.slices[param])))
                     if not self.slices[param]:  # nothing to sum (the store skips empty tensors)

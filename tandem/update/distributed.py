@@ -13,8 +13,9 @@ Three modes, selectable for comparison (``Trainer(..., communication=...)``):
 Where the store asks for it (the collective store: one slice's worth; ``TANDEM_SEND_BUCKET_ELEMENTS``),
 ``overlap`` and ``p3`` hold finished gradients until a bucket of them is full, the rest until backward
 ends: small gradients then share collectives. Segments end in graph order (the executor orders
-them), so every worker submits the same sends in the same order, and the collective store issues
-them in that order without agreement rounds (``ordered``; ``TANDEM_COLLECTIVE_ORDERED=0``: rounds).
+them), so every worker submits the same sends in the same order, and the collective store may issue
+them in that order without agreement rounds (``ordered``; ``TANDEM_COLLECTIVE_ORDERED``: ``auto``
+for ``overlap``, and for ``p3`` where its tuner chooses the ``ordered`` timing).
 In ``overlap`` and ``p3`` the next forward starts each segment as soon as the parameters *it* reads
 are back: before pushing a forward segment, the step's ``before_segment`` hook waits for those
 parameters' replies and pushes one engine op that writes them all (one fused optimizer update; it
@@ -27,6 +28,7 @@ sees a new value.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -39,7 +41,9 @@ from tandem import kvstore, trace
 from tandem.env import knob
 from tandem.executor import Segment, StepHooks
 from tandem.graph.train_graph import Phase
+from tandem.kvstore.errors import KVStoreError
 from tandem.kvstore.kinds import SERVERLESS_KINDS
+from tandem.kvstore.ps.p3_tuner import SEND_TIMINGS
 from tandem.step import StepResult, TrainStep
 from tandem.update.base import Apply, Update
 
@@ -118,6 +122,9 @@ class DistributedUpdate(Update):
         self._bucket_knob = knob("TANDEM_SEND_BUCKET_ELEMENTS")
         self._bucket: list[tuple[str, torch.Tensor]] = []  # finished gradients waiting for a full bucket
         self._bucket_numel = 0
+        self._expected_sends: list[list[str]] | None = None  # collective store: each segment's sends, agreed
+        self._ordered_setting = ""  # TANDEM_COLLECTIVE_ORDERED, for the collective store
+        self._sends_this_step = 0
 
     @classmethod
     def join(cls, params: Mapping[str, torch.Tensor], apply: Apply, optimizer: Any, kind: str | kvstore.KVStoreConfig,
@@ -149,6 +156,7 @@ class DistributedUpdate(Update):
 
     # -- set-up: once per captured step --------------------------------------------------------
     def hooks(self, step: TrainStep) -> StepHooks:
+        self._sends_this_step = 0  # before each run
         if id(step) not in self._attached:
             self._attached.add(id(step))
             self._attach(step)
@@ -166,11 +174,53 @@ class DistributedUpdate(Update):
         self._received = {n: torch.empty_like(params[n]) for n in self._names}
         if self.mode != "baseline":
             step.add_segment_hook(self._send)
-        if hasattr(self.store, "ordered"):  # segments end in graph order: every worker submits one sequence
-            self.store.ordered = bool(knob("TANDEM_COLLECTIVE_ORDERED"))
         tuner = getattr(self.store, "tuner", None)
+        timings = SEND_TIMINGS
+        if hasattr(self.store, "ordered"):  # segments end in graph order: every worker submits one sequence
+            setting = str(knob("TANDEM_COLLECTIVE_ORDERED"))
+            if setting not in ("auto", "1", "0"):
+                raise ValueError(f"TANDEM_COLLECTIVE_ORDERED={setting!r}: use auto, 1 (in order) or 0 (rounds)")
+            # in order where nothing overtakes (overlap sends in production order); p3 keeps its rounds
+            self.store.ordered = setting == "1" or (setting == "auto" and self.mode != "p3")
+            if setting == "auto" and self.mode == "p3" and tuner is not None:
+                self.store.tune_order, timings = True, self.store.send_timings
+            self._agree_on_sends(step, setting)
         if self.mode == "p3" and tuner is not None:
-            tuner.tune_send_timing()  # only a trainer can hold gradients until backward ends
+            tuner.tune_send_timing(timings)  # only a trainer can hold gradients until backward ends
+
+    def _grouping(self, step: TrainStep) -> str:
+        """How this worker's sends group its gradients: ordered collective sends are only summed right where
+        every worker's are the same (the store issues each send's slices as one sequence)."""
+        segments = [list(segment.gradients) for segment in step.executor.segments if segment.gradients]
+        return json.dumps([self._ordered_setting, self.mode, self._bucket_knob, self._batch_segments, segments])
+
+    def _agree_on_sends(self, step: TrainStep, setting: str) -> None:
+        """Collective, at attach: every worker groups its sends alike (else a clear error, not a hang or a
+        sum of the wrong gradients)."""
+        self._ordered_setting = setting
+        mine = self._grouping(step)
+        self._expected_sends = json.loads(mine)[-1]  # checked while sends go in order (the tuner may switch)
+        everyone = self.store.gather("sends", mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                difference = _first_difference(everyone[0], theirs)
+                raise KVStoreError(f"worker {rank} groups its gradient sends differently from worker 0 ({difference}); "
+                                   f"ordered collective sends need the same model, segment options (bulk_*) and "
+                                   f"TANDEM_COLLECTIVE_ORDERED, TANDEM_SEND_BUCKET_ELEMENTS and "
+                                   f"TANDEM_PS_BATCH_SEGMENTS on every worker")  # fmt: skip
+
+    def _check_send(self, names: list[str]) -> None:
+        """Each step's segments must send as the agreed first step's did (a step captured again for a batch
+        of another layout may cut its segments elsewhere)."""
+        expected, index = self._expected_sends, self._sends_this_step
+        assert expected is not None
+        self._sends_this_step += 1
+        if self.store.ordered and (index >= len(expected) or expected[index] != names):
+            agreed = expected[index] if index < len(expected) else "nothing more"
+            raise KVStoreError(f"this step's segment {index} sends {names}, where the workers agreed on {agreed}: "
+                               f"ordered collective sends need the same groups on every worker and every step "
+                               f"(a batch of another layout was captured again and cut elsewhere?); set "
+                               f"TANDEM_COLLECTIVE_ORDERED=0 to agree in rounds instead")  # fmt: skip
 
     # -- communication ---------------------------------------------------------------------------
     @property
@@ -182,11 +232,13 @@ class DistributedUpdate(Update):
     def _send(self, gradients: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Segment hook (engine thread): send the gradients this segment finished now, together (one
         message per server where the store batches), or hold them; each reply lands in _received[name]."""
+        if self._expected_sends is not None:
+            self._check_send([name for name, _ in gradients])
         if self.mode == "p3" and self._send_timing != "during":
             self._held.extend(gradients)
             return
         bucket_elements = self._bucket_elements
-        if bucket_elements > 0:  # fewer, larger sends: each costs the store a round or a message
+        if bucket_elements > 0:  # fewer, larger sends: fused collectives (in rounds, fewer rounds) or messages
             self._bucket.extend(gradients)
             self._bucket_numel += sum(grad.numel() for _, grad in gradients)
             if self._bucket_numel < bucket_elements:
@@ -309,3 +361,16 @@ class DistributedUpdate(Update):
     def close(self) -> None:
         self.flush()
         self.store.close()
+
+
+def _first_difference(one: str, other: str) -> str:
+    """Where two workers' groupings (``_grouping``'s JSON) first differ, in words."""
+    names = ("TANDEM_COLLECTIVE_ORDERED", "communication", "TANDEM_SEND_BUCKET_ELEMENTS", "TANDEM_PS_BATCH_SEGMENTS")
+    mine, theirs = json.loads(one), json.loads(other)
+    for name, a, b in zip(names, mine, theirs):
+        if a != b:
+            return f"{name}: {a} against {b}"
+    for index, (a, b) in enumerate(zip(mine[-1], theirs[-1])):
+        if a != b:
+            return f"send {index}: {a} against {b}"
+    return f"{len(mine[-1])} sends against {len(theirs[-1])}"

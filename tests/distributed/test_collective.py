@@ -43,22 +43,28 @@ def _assert_same(result: dict[str, torch.Tensor], expected: dict[str, torch.Tens
         torch.testing.assert_close(result[name], value, rtol=1e-9, atol=1e-11, msg=f"{what}: {name}")
 
 
-@pytest.mark.parametrize(("model", "slice_size", "bucket"), [
-    pytest.param("resnet", "100", "-1", id="resnet-100"),  # the store's bucket: one slice
-    pytest.param("hf-gpt2", "999", "-1", id="hf-gpt2-999"),
-    pytest.param("hf-gpt2", "999", "0", id="hf-gpt2-999-each-segment"),
-    pytest.param("hf-gpt2", "999", "3000", id="hf-gpt2-999-bucket-3000"),
+@pytest.mark.parametrize(("model", "slice_size", "bucket", "ordered"), [
+    pytest.param("resnet", "100", "-1", "1", id="resnet-100"),  # the store's bucket: one slice
+    pytest.param("resnet", "100", "-1", "0", id="resnet-100-rounds"),  # agreed in rounds: P3's overtaking
+    pytest.param("hf-gpt2", "999", "-1", "1", id="hf-gpt2-999"),
+    pytest.param("hf-gpt2", "999", "0", "1", id="hf-gpt2-999-each-segment"),
+    pytest.param("hf-gpt2", "999", "3000", "0", id="hf-gpt2-999-bucket-3000-rounds"),
 ])  # fmt: skip
-def test_two_workers_equal_ddp_and_one_process(model: str, slice_size: str, bucket: str, tmp_path: Path) -> None:
+def test_two_workers_equal_ddp_and_one_process(model: str, slice_size: str, bucket: str, ordered: str,
+                                               tmp_path: Path) -> None:  # fmt: skip
     """Sync p3 over all-reduce: the parameters after 10 steps are DDP's (same processes, same rows)
     and, where no batch norm makes half batches differ, one process's on the whole batch; many
     slices, most not a multiple of the size, so every tensor is cut and reassembled. Whether each
     backward segment's gradients leave as it ends or several segments' together (a send bucket,
-    the last ones when backward ends), the sums are the same."""
+    the last ones when backward ends), issued in order or agreed in rounds, the sums are the same."""
     steps = 10
     job = run_job("collective.py", 2, 0, str(tmp_path), model, str(steps), "8", "p3",
-                  env={"TANDEM_KVSTORE_SLICE_THRESHOLD": slice_size, "TANDEM_SEND_BUCKET_ELEMENTS": bucket})  # fmt: skip
-    assert len(worker_lines(job.stdout, "collective OK")) == 2, job.stdout
+                  env={"TANDEM_KVSTORE_SLICE_THRESHOLD": slice_size, "TANDEM_SEND_BUCKET_ELEMENTS": bucket,
+                       "TANDEM_COLLECTIVE_ORDERED": ordered})  # fmt: skip
+    lines = worker_lines(job.stdout, "collective OK")
+    assert len(lines) == 2, job.stdout
+    rounds = [int(line.split(" rounds ")[1].split()[0]) for line in lines]
+    assert all(count == 0 for count in rounds) if ordered == "1" else all(count > 0 for count in rounds), rounds
     module, loss_fn, batch = model_and_batch(model, 8)
     start = {name: value.detach().clone() for name, value in module.named_parameters()}
     whole = train_eagerly(module, loss_fn, batch, steps)

@@ -164,16 +164,18 @@ def test_a_large_gradient_ends_its_backward_segment() -> None:
     first = backward[0]
     assert gradient in first and all(node.target is operator.getitem for node in first[first.index(gradient) + 1 :])
     assert "2.weight" in sent[0] and "0.weight" in sent[-1] and "0.weight" not in sent[0]
-    with pytest.raises(ValueError, match="bulk_cut_gradient must be >= 0"):
+    with pytest.raises(ValueError, match="bulk_cut_gradient must be an int >= 0"):
         tandem.compile(module, loss_fn, *batch, bulk_cut_gradient=-1)
 
 
 def test_a_distributed_trainer_cuts_after_large_gradients_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.passes.config import DISTRIBUTED_GRADIENT_CUT
     from tandem.step import StepConfig
-    from tandem.trainer import DISTRIBUTED_GRADIENT_CUT, TrainerConfig
+    from tandem.trainer import TrainerConfig
 
     assert TrainerConfig().step.plan.gradient_cut == 0  # training alone sends nothing
     assert TrainerConfig(kvstore="dist_sync").step.plan.gradient_cut == DISTRIBUTED_GRADIENT_CUT
+    assert TrainerConfig(kvstore="dist_sync", communication="baseline").step.plan.gradient_cut == 0  # sent after backward
     assert TrainerConfig(kvstore="collective", step=StepConfig(bulk_cut_gradient=0)).step.plan.gradient_cut == 0
     monkeypatch.setenv("TANDEM_BULK_CUT_GRADIENT", "1000")
     assert TrainerConfig(kvstore="dist_sync").step.plan.gradient_cut == 1000

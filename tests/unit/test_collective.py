@@ -348,3 +348,75 @@ def test_ordered_calls_and_calls_in_rounds_may_follow_each_other() -> None:
         return _jittered_steps(kv, lambda call: call % 2 == 0, steps=6)
 
     _check_sums(_each_worker(3, work, water_mark=2))
+
+
+def test_ordered_calls_of_many_keys_fuse_by_priority_within_each_call() -> None:
+    """A Trainer's send: several keys in one ``batched()`` call, issued ordered by priority, small slices fused
+    within the call; with workers pausing differently, every sum still lands in its key."""
+    import time
+
+    sizes, slice_size = [1, 13, 100, 7, 50, 300], 120
+
+    def work(kv: CollectiveKVStore) -> tuple[list[list[torch.Tensor]], int]:
+        keys = [f"k{i}" for i in range(len(sizes))]
+        kv.init(keys, [torch.zeros(size) for size in sizes])
+        kv.ordered, steps, before = True, [], kv.rounds
+        for step in range(3):
+            out, handles = [torch.empty(size) for size in sizes], []
+            for group in ([5, 4], [3, 2, 1], [0]):  # as backward segments send: the last layers first
+                with kv.batched():
+                    handles += [kv.pushpull(keys[i], _value(sizes[i], kv.rank, step), out=out[i], priority=-i)
+                                for i in group]  # fmt: skip
+                time.sleep(0.003 * kv.rank)
+            for handle in handles:
+                handle.wait(timeout=30)
+            steps.append(out)
+        return steps, kv.rounds - before
+
+    outcomes = _each_worker(3, work, slice_size=slice_size, water_mark=1)
+    for results, rounds in outcomes:
+        assert rounds == 0
+        for step, values in enumerate(results):
+            for size, value in zip(sizes, values):
+                assert torch.equal(value, sum(_value(size, rank, step) for rank in range(3))), (size, step)
+
+
+def test_ordered_calls_waiting_when_the_job_fails_fail_too() -> None:
+    failure = KVStoreError("the job failed")
+    scheduler = Scheduler(0, 2, None, None, 5.0, lambda error: None)  # no groups: nothing may be issued
+    scheduler.add_key()
+    with scheduler._cond:
+        scheduler._broken = True  # the scheduler thread issues nothing from here on
+    handle = Handle("pushpull", 1)
+    scheduler.submit([Operation(0, "w", torch.ones(4), torch.ones(4), 7, 0, 2, handle, None, True)])
+    assert scheduler._state.pending and not scheduler.idle()
+    scheduler.fail(failure)
+    with pytest.raises(KVStoreError, match="the job failed"):
+        handle.wait(timeout=5)
+    assert not scheduler._state.pending
+    scheduler.stop(timeout=5)
+    mixed = Scheduler(0, 2, None, None, 5.0, lambda error: None)
+    mixed.add_key()
+    try:
+        with pytest.raises(KVStoreError, match="mixes ordered"):
+            mixed.submit([Operation(0, "w", torch.ones(4), torch.ones(4), 7, 0, 2, Handle("a", 1), None, flag)
+                          for flag in (True, False)])  # fmt: skip
+    finally:
+        mixed.stop(timeout=5)
+
+
+def test_the_tuners_ordered_timing_sends_during_backward_in_order() -> None:
+    """Under a Trainer's TANDEM_COLLECTIVE_ORDERED=auto the tuner's timings include ``ordered``: during backward,
+    without rounds; ``during`` keeps the rounds (P3's overtaking); ``after`` sends one call, in order."""
+    from tandem.kvstore.collective.store import COLLECTIVE_SEND_TIMINGS
+    from tandem.kvstore.ps.p3_tuner import Config
+
+    def work(kv: CollectiveKVStore) -> list[tuple[str, bool]]:
+        kv.tune_order, seen = True, []
+        assert kv.send_timings == COLLECTIVE_SEND_TIMINGS
+        for timing in ("ordered", "during", "after", "serial"):
+            kv._apply(Config(40_000, 10, timing))
+            seen.append((kv.send_timing, kv.ordered))
+        return seen
+
+    assert _each_worker(1, work)[0] == [("during", True), ("during", False), ("after", True), ("serial", True)]

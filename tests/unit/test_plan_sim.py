@@ -231,10 +231,10 @@ def test_allreduce_buckets_overlap_backward() -> None:
 
 
 def test_collective_one_gradient_by_hand() -> None:
-    """One slice: ordered (a Trainer's default), the ring all-reduce at once; in rounds, a round (2 (W-1)
-    steps of latency + 2 message_s) first. The next forward waits for it."""
+    """One slice: ordered, the ring all-reduce at once; in rounds, a round (2 (W-1) steps of latency +
+    2 message_s) first. The next forward waits for it."""
     cluster = at_whole_rate(2, 0, RATE, latency_s=0.01, machine=dataclasses.replace(NO_COST, message_s=0.001))
-    ordered = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7))
+    ordered = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7, ordered=True))
     assert ordered.iteration_s == pytest.approx(1.5 + allreduce_seconds(4_000_000, cluster))
     # one collective: 2 (W-1) ring steps of a send and a receive
     assert (ordered.worker_cpu_s, ordered.server_cpu_s) == pytest.approx((1.5 + 2 * 2 * 0.001, 0.0))
@@ -278,7 +278,7 @@ def test_collective_slices_overtake_by_priority_under_the_water_mark() -> None:
     loose = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=10, ordered=False))
     assert [p for _, p, _ in loose.sends[:6]] == [1, 1, 1, 1, 0, 0]
     assert capped.iteration_s < loose.iteration_s  # a is back (and the next forward starts) 1 s earlier
-    ordered = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=1))
+    ordered = simulate(layers, cluster, Strategy("collective", slice_size=500_000, water_mark=1, ordered=True))
     assert [(round(t, 6), p) for t, p, _ in ordered.sends[:6]] == [(3.0, 1), (3.5, 1), (4.0, 1), (4.5, 1), (5.0, 0), (5.5, 0)]
     assert ordered.iteration_s == pytest.approx(loose.iteration_s)
 
@@ -321,13 +321,13 @@ def test_compressed_collectives_sum_16_bits_and_gather_2_bits() -> None:
 
 def test_each_refill_waits_for_a_round_unless_ordered() -> None:
     """Water mark 1, 4 slices of 1 MB (0.25 s of wire, 0.1 s of latency), rounds of 0.1 s (2 (W-1)
-    latencies of 0.05 s): a round agrees on the gradient, then each completion needs a round before
-    the next slice goes."""
+    latencies of 0.05 s): in rounds, a round agrees on the gradient, then each completion needs a round
+    before the next slice goes; ordered, none."""
     cluster = at_whole_rate(2, 0, RATE, latency_s=0.05, **FREE)
     result = simulate(one_gradient(), cluster, Strategy("collective", slice_size=250_000, water_mark=1, ordered=False))
     one_slice = allreduce_seconds(1_000_000, cluster)  # 0.25 s of wire + 0.1 s of latency
     assert result.iteration_s == pytest.approx(1.5 + 4 * (0.1 + one_slice))
-    ordered = simulate(one_gradient(), cluster, Strategy("collective", slice_size=250_000, water_mark=1))
+    ordered = simulate(one_gradient(), cluster, Strategy("collective", slice_size=250_000, water_mark=1, ordered=True))
     assert ordered.iteration_s == pytest.approx(1.5 + 4 * one_slice)  # ordered: each completion frees its credit here
 
 
@@ -336,7 +336,7 @@ def test_collective_fuses_small_slices_queued_together() -> None:
     pair = Workload(("a", "b"), (400, 400), (1.0,), ((0, 1),), (0.5,), ((0, 1),))
     cluster = at_whole_rate(2, 0, RATE, latency_s=0.01, **FREE)
     result = simulate(pair, cluster, Strategy("collective", slice_size=1000))
-    assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(800, cluster))
+    assert result.iteration_s == pytest.approx(1.5 + allreduce_seconds(0, cluster) + allreduce_seconds(800, cluster))
     assert len({t for t, _, _ in result.sends}) == len(result.sends) // 2  # each send time carries both
 
 

@@ -31,7 +31,8 @@ call join the rounds once that call is issued here, so every worker issues one s
 A worker starts a round when it has something new to say: an operation not yet agreed, or a slice
 completed since the last round while slices wait. Every other worker eventually has the same to say
 (in a synchronous job every worker submits the same operations), so rounds pair up and none waits
-forever; one round runs at a time. Thread safety: ``submit`` from any thread; one scheduler thread
+forever; one round runs at a time. Thread safety: ``submit`` from any thread (ordered calls: in one
+order on every worker, so from one thread of control, as a Trainer's segments are); one scheduler thread
 runs the rounds and issues; collectives complete on the group's threads (CUDA slices: on a
 completion thread, once they have run on the GPU; untested, see ``_complete_cuda``).
 """
@@ -102,7 +103,7 @@ class _State:
     waiting: list[deque[Operation]] = field(default_factory=list)  # per key: submitted here, not yet agreed
     completed: int = 0  # collectives completed here (a collective carries one slice or several fused)
     agreed_completed: int = 0  # collectives completed everywhere
-    issued: int = 0  # collectives issued (the same count everywhere)
+    issued: int = 0  # collectives issued (the same count everywhere at each round)
     credit: int = 1  # collectives allowed in flight: the water mark of the last agreed operation
     # behind an ordered call, in submission order: ordered calls' slices (a queue each) and later
     # calls in rounds (their operations, counted as submitted once the calls before them are issued)
@@ -142,7 +143,8 @@ class Scheduler:
             return len(state.submitted) - 1
 
     def submit(self, operations: list[Operation]) -> None:
-        """Queue ``operations`` for agreement, together (one round sees them all); never blocks. Each
+        """Queue ``operations`` together: for agreement (one round sees them all), or, ``ordered``, as one call
+        issued after the earlier ones; never blocks. Each
         handle completes once every slice of its operations is summed."""
         with self._cond:
             if self._failed is not None:
@@ -150,6 +152,9 @@ class Scheduler:
             if self._stopping:
                 raise KVStoreError("this kvstore is closing; no new operations")
             self._live.update(operations)
+            if len({operation.ordered for operation in operations}) > 1:
+                raise KVStoreError("one call mixes ordered operations and operations in rounds: set store.ordered "
+                                   "outside kv.batched() blocks")  # fmt: skip
             if operations and operations[0].ordered:
                 in_order: LanePriorityQueue[_Slice] = LanePriorityQueue()
                 for operation in operations:

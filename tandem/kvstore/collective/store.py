@@ -4,7 +4,8 @@ A push or pushpull of a key is an all-reduce (sum over workers) of its value, cu
 ``slice_size`` elements, issued by the scheduler (``scheduler.py``) in priority order with at most
 ``water_mark`` collectives in flight (each one slice, or small slices fused up to one slice's
 size), the same collectives in the same order on every worker: agreed in rounds, or, with
-``ordered`` (a Trainer's default), in the order every worker submits them. What a
+``ordered`` (a Trainer's where nothing overtakes: TANDEM_COLLECTIVE_ORDERED), in the order every
+worker submits them. What a
 dist_sync store without a server-side optimizer stores, this one computes: the sum of the round's
 pushes, which ``pushpull`` writes into ``out`` and ``pull`` returns. Optimizers run on the workers
 (the Trainer applies each parameter's update to the summed gradient on every worker, so the
@@ -45,6 +46,9 @@ from tandem.kvstore.errors import KVStoreError, PeerFailure, RequestRefused, sec
 from tandem.kvstore.ps.p3_tuner import AutoTuner, Config, start_slice_size, tuner_for
 from tandem.kvstore.ps.topology import connect_store
 
+# the tuner's send timings here (a Trainer's "auto"): "ordered" is "during", issued in order without rounds
+ORDERED_TIMING = "ordered"
+COLLECTIVE_SEND_TIMINGS = ("during", ORDERED_TIMING, "after", "serial")
 _STORES_CREATED = itertools.count()  # names each store's keys in the rendezvous store (workers create them in step)
 
 
@@ -89,8 +93,9 @@ class CollectiveKVStore(KVStore):
         self.slice_size, self.water_mark = start_slice_size(p3), p3.water_mark
         self.send_timing = "during"  # read by the trainer each step (p3_tuner.SEND_TIMINGS)
         # issue in submission order, without agreement rounds (scheduler.py): only where every worker
-        # submits the same operations in the same order (a Trainer turns it on: TANDEM_COLLECTIVE_ORDERED)
+        # submits the same operations in the same order (a Trainer sets it: TANDEM_COLLECTIVE_ORDERED)
         self.ordered = False
+        self.tune_order = False  # the tuner's send timing ORDERED_TIMING chooses it (a Trainer's "auto")
         self.tuner: AutoTuner | None = tuner_for(p3, self._apply, self._agree)
         atexit.register(self._close_at_exit)
 
@@ -114,6 +119,12 @@ class CollectiveKVStore(KVStore):
         return int(self.slice_size)
 
     @property
+    def send_timings(self) -> tuple[str, ...]:
+        """The send timings the tuner may choose from here, from the most overlap to none: ``during`` in
+        rounds (later sends overtake, P3), ``ordered`` (during, in order, no rounds), ``after``, ``serial``."""
+        return COLLECTIVE_SEND_TIMINGS
+
+    @property
     def rounds(self) -> int:
         """Agreement rounds run so far (one small all-reduce each; see ``scheduler.py``)."""
         return self._scheduler.rounds if self._scheduler is not None else 0
@@ -126,7 +137,10 @@ class CollectiveKVStore(KVStore):
     # -- the tuner -------------------------------------------------------------------------------
     def _apply(self, config: Config) -> None:
         """A tuner point: taken by the operations submitted from now on (the same step on every worker)."""
-        self.slice_size, self.water_mark, self.send_timing = config.slice_size, config.water_mark, config.send_timing
+        self.slice_size, self.water_mark = config.slice_size, config.water_mark
+        self.send_timing = "during" if config.send_timing == ORDERED_TIMING else config.send_timing
+        if self.tune_order:  # rounds only where a later send may overtake (during backward): one call needs none
+            self.ordered = config.send_timing != "during"
 
     def _agree(self, cost: float) -> float:
         values = self.gather("tuner", repr(cost))
@@ -239,8 +253,8 @@ class CollectiveKVStore(KVStore):
 
     @contextmanager
     def batched(self) -> Iterator[None]:
-        """The operations of the requests made inside reach the scheduler together when it ends: one
-        agreement round covers them all, and their small slices share collectives. From the thread that
+        """The operations of the requests made inside reach the scheduler together when it ends, as
+        one call (in rounds, one agreement covers them all), and their small slices share collectives. From the thread that
         drives the store; ``init``, ``barrier`` and ``close`` inside the block raise (they would wait
         for requests that have not left)."""
         if self._held is not None:  # nested: the outer block submits

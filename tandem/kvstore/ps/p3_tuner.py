@@ -172,12 +172,12 @@ class AutoTuner:
         self.slice_sizes = (self.current.slice_size,)
         self.start = self.start._replace(slice_size=self.current.slice_size)
 
-    def tune_send_timing(self) -> None:
-        """Also choose when gradients leave (among ``SEND_TIMINGS``, unless ``timings`` already holds a choice;
-        for a caller that can hold gradients and wait)."""
+    def tune_send_timing(self, timings: tuple[str, ...] = SEND_TIMINGS) -> None:
+        """Also choose when gradients leave (among ``timings``, ordered from the most overlap to none,
+        unless ``timings`` already holds a choice; for a caller that can hold gradients and wait)."""
         if len(self.timings) == 1:  # a recaptured step attaches again: idempotent
             self._before_search("the send timing can only be added")
-            self.timings = SEND_TIMINGS
+            self.timings = timings
 
     def _before_search(self, what: str) -> None:
         if self._search is not None:
