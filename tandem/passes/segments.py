@@ -6,7 +6,8 @@ finishes a gradient of at least that many elements: its segment's gradients leav
 segment ends, and a large layer's backward is worth an engine op of its own (vgg11 x0.25 kept
 its three widest convolutions' gradients in one 18 ms segment, sent together at its end).
 Placeholders (parameters, buffers, inputs) are not nodes here at all, and ``getitem`` (picking
-one output of a multi-output op) is not counted: neither costs a kernel, and cutting or counting at them is what kept MXNet's old segments under 2 nodes. Forward
+one output of a multi-output op) is not counted: neither costs a kernel, and cutting or counting
+at them is what kept MXNet's old segments under 2 nodes. Forward
 and backward have separate caps because a backward segment's gradients cannot be sent before the
 segment ends: smaller backward segments let communication start earlier.
 

@@ -151,10 +151,10 @@ class Scheduler:
                 raise self._failed
             if self._stopping:
                 raise KVStoreError("this kvstore is closing; no new operations")
-            self._live.update(operations)
             if len({operation.ordered for operation in operations}) > 1:
                 raise KVStoreError("one call mixes ordered operations and operations in rounds: set store.ordered "
                                    "outside kv.batched() blocks")  # fmt: skip
+            self._live.update(operations)
             if operations and operations[0].ordered:
                 in_order: LanePriorityQueue[_Slice] = LanePriorityQueue()
                 for operation in operations:

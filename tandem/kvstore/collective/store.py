@@ -254,7 +254,8 @@ class CollectiveKVStore(KVStore):
     @contextmanager
     def batched(self) -> Iterator[None]:
         """The operations of the requests made inside reach the scheduler together when it ends, as
-        one call (in rounds, one agreement covers them all), and their small slices share collectives. From the thread that
+        one call (in rounds, one agreement covers them all), and their small slices share
+        collectives. From the thread that
         drives the store; ``init``, ``barrier`` and ``close`` inside the block raise (they would wait
         for requests that have not left)."""
         if self._held is not None:  # nested: the outer block submits
