@@ -109,7 +109,8 @@ def distributed_gradient_cut(explicit: int | None) -> int | None:
     ``TANDEM_BULK_CUT_GRADIENT`` where set (>= 0), else ``DISTRIBUTED_GRADIENT_CUT``."""
     if explicit is not None:
         return explicit
-    return knob("TANDEM_BULK_CUT_GRADIENT") if knob("TANDEM_BULK_CUT_GRADIENT") >= 0 else DISTRIBUTED_GRADIENT_CUT
+    setting = knob("TANDEM_BULK_CUT_GRADIENT")
+    return setting if setting >= 0 else DISTRIBUTED_GRADIENT_CUT
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,9 @@ def segments_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
         node_phase = graph.phase_of(node)
         cap = caps.forward if node_phase == Phase.FORWARD else caps.backward
         counted = counts_toward_size(node)
-        if counted and after_large_gradient:  # not before a getitem: the op's other gradients stay with it
-            size, after_large_gradient = cap, False
+        cut_after_gradient = counted and after_large_gradient  # not before a getitem: the op's other outputs stay
+        if cut_after_gradient:
+            after_large_gradient = False
         recompute = MetaKey.RECOMPUTE_OF in node.meta
         cut_before_recompute = (keep_recompute_in_place and counted and recompute and not after_recompute
                                 and (size >= recompute_unit_min or head_cut))  # fmt: skip
@@ -79,7 +80,7 @@ def segments_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
             head_cut = False
         if counted:
             after_recompute = recompute
-        if node_phase != phase or (counted and size >= cap) or cut_before_recompute:
+        if node_phase != phase or (counted and size >= cap) or cut_before_recompute or cut_after_gradient:
             segment, size, phase = segment + 1, 0, node_phase
         node.meta[MetaKey.SEGMENT] = segment
         size += counted

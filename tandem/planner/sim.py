@@ -1025,15 +1025,19 @@ class _CollectiveSim:
                 heapq.heappush(self.queue, (param, number, self.order, iteration))
                 self.order += 1
             self.in_flight -= seen  # the completions this round saw free their credit
-            while self.queue and (self.in_flight < self.s.water_mark or self.in_flight == 0):
+            while self.queue and self.under_credit():
                 self.issue()
             if self.submitted or (self.queue and self.completed_unseen):  # the scheduler's _wants_round
                 self.round()
 
         self.collective(0.0, agreed_now)
 
+    def under_credit(self) -> bool:
+        """One more collective may be issued: fewer than ``water_mark`` in flight, or none."""
+        return self.in_flight < self.s.water_mark or self.in_flight == 0
+
     def issue_ordered(self) -> None:
-        while self.calls and (self.in_flight < self.s.water_mark or self.in_flight == 0):
+        while self.calls and self.under_credit():
             self.issue(self.calls[0])
             if not self.calls[0]:
                 self.calls.popleft()

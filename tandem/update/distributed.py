@@ -123,7 +123,6 @@ class DistributedUpdate(Update):
         self._bucket: list[tuple[str, torch.Tensor]] = []  # finished gradients waiting for a full bucket
         self._bucket_numel = 0
         self._expected_sends: list[list[str]] | None = None  # collective store: each segment's sends, agreed
-        self._ordered_setting = ""  # TANDEM_COLLECTIVE_ORDERED, for the collective store
         self._sends_this_step = 0
 
     @classmethod
@@ -188,19 +187,14 @@ class DistributedUpdate(Update):
         if self.mode == "p3" and tuner is not None:
             tuner.tune_send_timing(timings)  # only a trainer can hold gradients until backward ends
 
-    def _grouping(self, step: TrainStep) -> str:
-        """How this worker's sends group its gradients: ordered collective sends are only summed right where
-        every worker's are the same (the store issues each send's slices as one sequence)."""
-        segments = [list(segment.gradients) for segment in step.executor.segments if segment.gradients]
-        return json.dumps([self._ordered_setting, self.mode, self._bucket_knob, self._batch_segments, segments])
-
     def _agree_on_sends(self, step: TrainStep, setting: str) -> None:
         """Collective, at attach: every worker groups its sends alike (else a clear error, not a hang or a
-        sum of the wrong gradients)."""
-        self._ordered_setting = setting
-        mine = self._grouping(step)
-        self._expected_sends = json.loads(mine)[-1]  # checked while sends go in order (the tuner may switch)
-        everyone = self.store.gather("sends", mine)
+        sum of the wrong gradients): ordered collective sends are only summed right where every worker's
+        are the same, since the store issues each send's slices as one sequence."""
+        segments = [list(segment.gradients) for segment in step.executor.segments if segment.gradients]
+        self._expected_sends = segments  # checked while sends go in order (the tuner may switch)
+        mine = [setting, self.mode, self._bucket_knob, self._batch_segments, segments]
+        everyone = [json.loads(text) for text in self.store.gather("sends", json.dumps(mine))]
         for rank, theirs in enumerate(everyone):
             if theirs != everyone[0]:
                 difference = _first_difference(everyone[0], theirs)
@@ -363,10 +357,9 @@ class DistributedUpdate(Update):
         self.store.close()
 
 
-def _first_difference(one: str, other: str) -> str:
-    """Where two workers' groupings (``_grouping``'s JSON) first differ, in words."""
+def _first_difference(mine: list[Any], theirs: list[Any]) -> str:
+    """Where two workers' groupings (``_agree_on_sends``) first differ, in words."""
     names = ("TANDEM_COLLECTIVE_ORDERED", "communication", "TANDEM_SEND_BUCKET_ELEMENTS", "TANDEM_PS_BATCH_SEGMENTS")
-    mine, theirs = json.loads(one), json.loads(other)
     for name, a, b in zip(names, mine, theirs):
         if a != b:
             return f"{name}: {a} against {b}"

@@ -198,8 +198,7 @@ class Scheduler:
             return False
         head = state.pending[0]
         assert isinstance(head, LanePriorityQueue)  # calls in rounds at the head were promoted
-        credit = head.peek().operation.water_mark
-        return state.issued - state.completed < credit or state.issued == state.completed
+        return _under_credit(state.issued, state.completed, head.peek().operation.water_mark)
 
     def _run(self) -> None:
         try:
@@ -210,20 +209,18 @@ class Scheduler:
                         if self._stopping or self._broken:
                             return
                         self._cond.wait(POLL_SECONDS)
-                    if self._may_issue_ordered():
-                        state = self._state
-                        while self._may_issue_ordered():  # no round: the same sequence on every worker
-                            head = state.pending[0]
-                            assert isinstance(head, LanePriorityQueue)
-                            issue.append(_next_unit(head))
-                            state.issued += 1
-                            if not head:
-                                state.pending.popleft()
-                                self._promote()
-                    else:
-                        keys = len(self._state.submitted)  # and its negation: MIN gives the fewest and the most keys
-                        mine = torch.tensor([keys, -keys, *self._state.submitted, self._state.completed],
-                                            dtype=torch.int64)  # fmt: skip
+                    state = self._state
+                    while self._may_issue_ordered():  # no round: the same sequence on every worker
+                        head = state.pending[0]
+                        assert isinstance(head, LanePriorityQueue)
+                        issue.append(_next_unit(head))
+                        state.issued += 1
+                        if not head:
+                            state.pending.popleft()
+                            self._promote()
+                    if not issue:
+                        keys = len(state.submitted)  # and its negation: MIN gives the fewest and the most keys
+                        mine = torch.tensor([keys, -keys, *state.submitted, state.completed], dtype=torch.int64)
                 if issue:
                     for unit in issue:
                         self._issue(unit)
@@ -255,8 +252,7 @@ class Scheduler:
                 state.agreed[index] = count
             state.agreed_completed = agreed[-1]
             issue = []
-            while self._ready and (state.issued - state.agreed_completed < state.credit
-                                   or state.issued == state.agreed_completed):  # fmt: skip
+            while self._ready and _under_credit(state.issued, state.agreed_completed, state.credit):
                 issue.append(_next_unit(self._ready))
                 state.issued += 1
         if trace.enabled():
@@ -400,6 +396,11 @@ def _same_memory(one: torch.Tensor, other: torch.Tensor) -> bool:
 
 def _nothing() -> None:
     pass
+
+
+def _under_credit(issued: int, completed: int, credit: int) -> bool:
+    """One more collective may be issued: fewer than ``credit`` in flight, or none (a cap never stalls)."""
+    return issued - completed < credit or issued == completed
 
 
 def _queue_slices(queue: LanePriorityQueue[_Slice], operation: Operation) -> None:
