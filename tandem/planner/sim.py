@@ -71,7 +71,8 @@ Mode = Literal["baseline", "overlap", "p3", "allreduce", "collective"]
 MODES: tuple[Mode, ...] = ("baseline", "overlap", "p3", "allreduce", "collective")
 SLICED_MODES: tuple[Mode, ...] = ("p3", "collective")  # the modes with a slice size and a water mark to tune
 PS_MODES = ("baseline", "overlap", "p3")
-COMPRESSION_RATIO = {"none": 1, "fp16": 2, "bf16": 2, "2bit": 16}  # float32 bytes / bytes on the wire
+COMPRESSION_RATIO = {"none": 1, "fp16": 2, "bf16": 2, "int8": 4, "2bit": 16}  # float32 bytes / bytes on the wire
+GATHERED = ("int8", "2bit")  # codes that cannot be summed as they are: the collective store all-gathers them
 INF = math.inf
 # TCP over Ethernet at MTU 1500: a full segment carries 1448 bytes of payload in a 1514-byte frame
 # (14 B Ethernet, 20 B IP, 20 B TCP, 12 B TCP timestamps), and a rate limiter (tc tbf) or a NIC's
@@ -233,7 +234,7 @@ class Strategy:
     mode: Mode = "p3"
     slice_size: int = 40_000  # elements per slice (p3, collective)
     water_mark: int = 10  # requests in flight per worker (p3), collectives in flight (collective)
-    compression: str = "none"  # none, fp16, bf16, 2bit: pushes (and all-reduce) shrink by its ratio
+    compression: str = "none"  # none, fp16, bf16, int8, 2bit: pushes (and all-reduce) shrink by its ratio
     update_on: Literal["servers", "workers"] = "servers"  # workers: the pulled sums are compressed too
     bucket_bytes: int = 25 * 2**20  # allreduce: DDP's bucket size
     send_bucket_elements: int = -1  # collective: finished gradients a send waits for (-1: one slice; 0: none)
@@ -934,7 +935,7 @@ class _CollectiveSim:
 
     A collective (a round too) takes ``allreduce_seconds`` on the ring and its worker's CPU ``2 (W-1)``
     steps of a send and a receive (``single_message_s`` each, ``byte_s`` per byte); fp16 and bf16
-    slices are all-reduced in 16 bits, 2-bit codes all-gathered (``allgather_seconds``, ``W-1`` steps). It ends
+    slices are all-reduced in 16 bits, int8 and 2-bit codes all-gathered (``allgather_seconds``, ``W-1`` steps). It ends
     once both are done. That CPU shares the worker's cores with its compute (``CPU``; on a shared
     host each worker has ``cores / W`` of them), so communication slows compute where cores are
     few. Every wait of the compute is exposed communication (``idle_s`` is 0): rounds, the ring and
@@ -1061,7 +1062,7 @@ class _CollectiveSim:
         if self.ring and not self.ring_busy:
             self.ring_busy, unit = True, self.ring.popleft()
             numel = sum(self.slices[param][number] for param, number, _ in unit)
-            self.collective(numel * 4 / self.ratio, partial(self.complete, unit), gather=self.s.compression == "2bit")
+            self.collective(numel * 4 / self.ratio, partial(self.complete, unit), gather=self.s.compression in GATHERED)
 
     def complete(self, unit: list[tuple[int, int, int]]) -> None:
         self.ring_busy = False

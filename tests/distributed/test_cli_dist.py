@@ -33,7 +33,7 @@ def single_process_accuracy(tmp_path_factory: pytest.TempPathFactory) -> float:
 
 @pytest.mark.parametrize(("kind", "compression", "update_on"),
                          [("dist_sync", None, "servers"), ("dist_p3", None, "servers"), ("dist_p3", "fp16", "servers"),
-                          ("dist_p3", "fp16", "workers")])  # fmt: skip
+                          ("dist_p3", "fp16", "workers"), ("dist_p3", "int8", "workers")])  # fmt: skip
 def test_data_parallel_digits_matches_single_process(
     kind: str, compression: str | None, update_on: str, single_process_accuracy: float, tmp_path: Path
 ) -> None:

@@ -15,7 +15,9 @@ from tandem.kvstore.compression import (
     Compressor,
     GradientCompression,
     decode,
+    decode_parts,
     encode_into_residual,
+    encode_parts,
     summable,
 )
 from tandem.kvstore.errors import KVStoreError, ProtocolError
@@ -88,12 +90,56 @@ def test_fp16_summed_over_workers_is_clamped_so_the_sum_stays_finite() -> None:
     assert summable(config) and summable(GradientCompression("bf16")) and not summable(GradientCompression("2bit"))
 
 
-@pytest.mark.parametrize(("kind", "ratio"), [("2bit", 16), ("fp16", 2), ("bf16", 2)])
-def test_bytes_on_the_wire(kind: str, ratio: int) -> None:
+@pytest.mark.parametrize(("kind", "ratio", "header"), [("2bit", 16, 0), ("fp16", 2, 0), ("bf16", 2, 0), ("int8", 4, 4)])
+def test_bytes_on_the_wire(kind: str, ratio: int, header: int) -> None:
     config = GradientCompression(kind)
     frames = Compressor(config).encode("k", torch.randn(40_000), 0, 40_000)
     assert config.ratio == ratio
-    assert frames[1].nbytes == 40_000 * 4 // ratio and _frames_bytes(frames) == frames[1].nbytes + DESCRIPTOR.size
+    assert frames[1].nbytes == 40_000 * 4 // ratio + header
+    assert _frames_bytes(frames) == frames[1].nbytes + DESCRIPTOR.size
+
+
+@pytest.mark.parametrize("numel", [0, 1, 5, 1001])
+def test_int8_sends_each_element_to_a_254th_of_the_largest_and_keeps_the_rest(numel: int) -> None:
+    compressor = Compressor(GradientCompression("int8"))
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 3
+    frames = compressor.encode("k", grad, 0, numel)
+    assert frames[1].nbytes == 4 + numel  # a float32 scale, then a byte per element: 4x fewer bytes
+    sent = decode(frames, torch.float32, numel)
+    residual = compressor.residual("k")
+    assert residual is not None and torch.equal(sent + residual, grad)  # exactly: what is not sent stays
+    if numel:
+        scale = float(grad.abs().max()) / 127
+        assert residual.abs().max() <= scale / 2 * (1 + 1e-6)  # rounded to the nearest code
+        assert float(sent.abs().max()) == pytest.approx(127 * scale)
+
+
+def test_int8_of_zeros_and_of_a_nan() -> None:
+    config = GradientCompression("int8")
+    assert decode_parts(config, encode_into_residual(config, torch.zeros(4)), [4], torch.float32).tolist() == [0.0] * 4
+    total = torch.tensor([1.0, float("nan")])  # a NaN gradient arrives as NaN, as a 16-bit cast sends it
+    assert decode_parts(config, encode_into_residual(config, total), [2], torch.float32).isnan().all()
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "2bit:0.1", "int8"])
+def test_parts_encoded_together_decode_to_each_part_encoded_alone(kind: str) -> None:
+    """The collective store encodes the slices sharing a collective as one message: the values and
+    residuals are those of each slice encoded alone (int8 keeps each slice's own scale)."""
+    config = GradientCompression.parse(kind)
+    generator = torch.Generator().manual_seed(1)
+    sizes = [3, 1, 40, 7]
+    parts = [torch.randn(size, generator=generator) * (index + 1) for index, size in enumerate(sizes)]
+    alone = [part.clone() for part in parts]
+    expected = torch.cat([decode_parts(config, encode_into_residual(config, part), [part.numel()], torch.float32)
+                          for part in alone])  # fmt: skip
+    together = [part.clone() for part in parts]
+    sent = encode_parts(config, together, summands=1)
+    torch.testing.assert_close(decode_parts(config, sent, sizes, torch.float32), expected, rtol=0, atol=0)
+    for one, other in zip(together, alone):
+        torch.testing.assert_close(one, other, rtol=0, atol=0)
+    if kind == "int8":  # at any offset in a gathered buffer
+        shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), sent])[3:]
+        assert torch.equal(decode_parts(config, shifted, sizes, torch.float32), expected)
 
 
 def test_parse_forms_and_errors() -> None:
@@ -130,6 +176,7 @@ def _frames(code: int, threshold: float, data: bytes) -> list[memoryview]:
         (_frames(KINDS["2bit"], float("nan"), b"\x00"), torch.float32, 4, "threshold nan"),
         (_frames(KINDS["fp16"], 0.0, b"\x00" * 6), torch.float32, 4, "carry 6 bytes, not 8"),
         (_frames(KINDS["fp16"], 0.0, b"\x00" * 8), torch.int64, 4, "only float32 and float64"),
+        (_frames(KINDS["int8"], 0.0, b"\x00" * 4), torch.float32, 4, "carry 4 bytes, not 8"),
     ],
 )
 def test_malformed_frames_are_rejected_with_the_reason(

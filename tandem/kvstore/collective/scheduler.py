@@ -56,8 +56,8 @@ from tandem.kvstore.base import Handle
 from tandem.kvstore.compression import (
     GradientCompression,
     add_to_residual,
-    decode_tensor,
-    encode_into_residual,
+    decode_parts,
+    encode_parts,
     summable,
 )
 from tandem.kvstore.errors import KVStoreError
@@ -266,19 +266,17 @@ class Scheduler:
         compression = first.operation.compression
         finish: Callable[[], None]
         if compression is not None:
-            summed = summable(compression)  # 16-bit floats are all-reduced as they are; 2-bit codes all-gathered
-            encoded = [encode_into_residual(compression, add_to_residual(self._residuals, part.operation.index,
-                                                                          part.operation.value, part.start, part.stop),
-                                            self.size if summed else 1)
-                       for part in unit]  # fmt: skip
-            sent = encoded[0] if len(encoded) == 1 else torch.cat(encoded)
+            summed = summable(compression)  # 16-bit floats are all-reduced as they are; int8, 2-bit codes all-gathered
+            totals = [add_to_residual(self._residuals, part.operation.index, part.operation.value, part.start, part.stop)
+                      for part in unit]  # fmt: skip
+            sent = encode_parts(compression, totals, self.size if summed else 1)  # the unit's slices as one message
             if summed:  # half the bytes of an all-gather from 4 workers on: a ring all-reduce moves 2(n-1)/n
                 work = self.data.allreduce([sent])
                 finish = _Unfuse(unit, sent)  # the copy widens the 16-bit sum into each target
             else:
                 gathered = [torch.empty_like(sent) for _ in range(self.size)]
                 work = self.data.allgather([gathered], [sent])
-                finish = _Decode(unit, [part.numel() for part in encoded], gathered)
+                finish = _Decode(unit, compression, gathered)
         elif len(unit) == 1:
             operation = first.operation
             target = operation.target[first.start : first.stop]
@@ -451,22 +449,20 @@ class _Unfuse:
 
 
 class _Decode:
-    """A compressed unit's completion: per slice, the sum in rank order of every worker's decoded values."""
+    """A compressed unit's completion: the sum in rank order of every worker's decoded message, into
+    each slice's target."""
 
-    __slots__ = ("unit", "sizes", "gathered")
+    __slots__ = ("unit", "compression", "gathered")
 
-    def __init__(self, unit: list[_Slice], sizes: list[int], gathered: list[torch.Tensor]) -> None:
-        self.unit, self.sizes, self.gathered = unit, sizes, gathered  # sizes: each slice's encoded length
+    def __init__(self, unit: list[_Slice], compression: GradientCompression, gathered: list[torch.Tensor]) -> None:
+        self.unit, self.compression, self.gathered = unit, compression, gathered
 
     def __call__(self) -> None:
-        pieces = [data.split(self.sizes) for data in self.gathered]  # per worker, per slice
-        for number, part in enumerate(self.unit):
-            operation, numel = part.operation, part.stop - part.start
-            assert operation.compression is not None
-            target, dtype = operation.target[part.start : part.stop], operation.target.dtype
-            target.copy_(decode_tensor(operation.compression, pieces[0][number], dtype, numel))
-            for worker in pieces[1:]:
-                target.add_(decode_tensor(operation.compression, worker[number], dtype, numel))
+        sizes, dtype = [part.stop - part.start for part in self.unit], self.unit[0].operation.target.dtype
+        total = decode_parts(self.compression, self.gathered[0], sizes, dtype)
+        for message in self.gathered[1:]:
+            total.add_(decode_parts(self.compression, message, sizes, dtype))
+        _Unfuse(self.unit, total)()
 
 
 class _Done:
