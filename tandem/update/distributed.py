@@ -308,7 +308,12 @@ class DistributedUpdate(Update):
                 for name in names:
                     self.params[name].copy_(self._received[name])
             else:
-                self.apply(names, {name: self._received[name] / self.num_workers for name in names})
+                self.apply(names, self._averaged(names))
+
+    def _averaged(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The received sums of ``names`` divided by the workers: the gradients the optimizer applies."""
+        sums = [self._received[name] for name in names]
+        return dict(zip(names, torch._foreach_div(sums, self.num_workers)))  # one op, not one per gradient
 
     def after_backward(self, result: StepResult) -> None:
         """After a step: baseline pushes everything, then pulls everything; the others already sent (or held)."""
@@ -336,6 +341,7 @@ class DistributedUpdate(Update):
         targets = [params[n].data if on_servers else self._received[n] for n in names]
         outgoing = [self._outgoing(grad) for grad in grads]
         start = trace.now_us()
+        pushpull = pushpull or self.store.kind == "collective"  # an all-reduce is a pushpull: sums land in targets
         if pushpull:
             handle = self.store.pushpull(names, outgoing, out=targets)
         else:
@@ -345,7 +351,7 @@ class DistributedUpdate(Update):
         if trace.enabled():
             trace.record(f"{'pushpull' if pushpull else 'push, pull'} all", start, trace.now_us(), category="comm")
         if not on_servers:
-            self.apply(names, {n: self._received[n] / self.num_workers for n in names})
+            self.apply(names, self._averaged(names))
 
     def flush(self) -> None:
         """Apply every outstanding reply and wait until the parameters are written (before eval/save)."""
