@@ -67,7 +67,8 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {  # name -> (zoo entry, co
 MODES = ("baseline", "overlap", "p3", "p3-auto", "collective-overlap", "collective-p3", "collective-p3-auto")
 DDP_MODES = ("ddp", "ddp+fp16", "ddp+powersgd")
 KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "p3-auto": "dist_p3",
-         "collective-overlap": "collective", "collective-p3": "collective", "collective-p3-auto": "collective"}
+         "collective-baseline": "collective", "collective-overlap": "collective", "collective-p3": "collective",
+         "collective-p3-auto": "collective"}  # fmt: skip
 POWERSGD_RANK, POWERSGD_START = 2, 2  # PowerSGD's rank, and the vanilla all-reduce steps before it compresses
 BACKENDS = ("aten", "inductor")  # a mode's "@inductor": compiled segments (tandem), torch.compile (DDP)
 RATES = ("100mbit", "1gbit", "none")

@@ -11,6 +11,8 @@ to the link rate (as bench/p3.py). Modes:
 - baseline, overlap, p3: the parameter server (``dist_sync``, ``dist_sync``, ``dist_p3``), 2 servers;
 - collective-p3: ``kvstore="collective"``, workers only;
   each of them also with gradient compression (``+fp16``, ``+2bit`` with error feedback);
+  ``--modes`` also takes bench/p3.py's other modes (``collective-baseline``: one exchange after
+  backward; ``collective-overlap``) and ``+int8`` / ``+bf16`` (``--compressions int8`` adds int8 rows);
 - ddp, ddp+fp16, ddp+powersgd: torch DistributedDataParallel over gloo, plain and with its
   communication hooks (bench/p3.py's ``ddp_wrap``: fp16_compress_hook; powerSGD_hook, rank 2,
   vanilla all-reduce for the first 2 steps).
@@ -55,7 +57,8 @@ from bench.common import OUT, command_line, markdown_table, write_report  # noqa
 from bench.p3 import DDP_MODES, KINDS  # noqa: E402  (the mode -> kvstore kind map every bench shares)
 
 TANDEM_MODES = ("baseline", "overlap", "p3", "collective-p3")
-COMPRESSIONS = ("fp16", "2bit")
+COMPRESSIONS = ("fp16", "2bit")  # the default table's; --compressions may add int8 and bf16
+COMPRESSION_CHOICES = (*COMPRESSIONS, "int8", "bf16")
 SERVERS = 2
 JOB_TIMEOUT = 900
 MARK = "TTABENCH "
@@ -405,7 +408,7 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["100mbit"], help="tc rates, or 'none' for unshaped")
     parser.add_argument("--workers", nargs="+", type=int, default=[2])
     parser.add_argument("--modes", nargs="+", default=None, help="default: every mode (see the docstring)")
-    parser.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS), choices=list(COMPRESSIONS))
+    parser.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS), choices=list(COMPRESSION_CHOICES))
     parser.add_argument("--target", type=float, default=None,
                         help="the metric to reach (digits: test accuracy 0.97; text: validation loss 2.3)")
     parser.add_argument("--steps", type=int, default=None, help="training steps in every mode (digits 200, text 300)")
