@@ -177,7 +177,7 @@ class TrainStep:
         else:
             outputs = compiled.executor.run(inputs, hooks=hooks)
         self._last = compiled
-        return self._unpack(graph, outputs)
+        return self._unpack(graph, outputs, inputs)
 
     def memory_report(self) -> dict[str, Any]:
         """Measured memory of the most recent measured step (the first step is always measured).
@@ -313,11 +313,12 @@ class TrainStep:
     def _trace(self, batch: Sequence[Any]) -> TrainGraph:
         return capture(self.module, self.loss_fn, batch, checkpoint_regions=self.config.checkpoint_regions)
 
-    def _unpack(self, graph: TrainGraph, outputs: list[Any]) -> Any:
+    def _unpack(self, graph: TrainGraph, outputs: list[Any], inputs: list[torch.Tensor]) -> Any:
         loss = outputs[0]
         count = len(graph.grads)
         grads = dict(zip(graph.grads, outputs[1 : 1 + count]))
-        buffers = dict(self.module.named_buffers(remove_duplicate=False)) if graph.buffer_updates else {}
+        first = len(graph.param_names)  # a mutated buffer is an input: this step's, found without walking the module
+        buffers = dict(zip(graph.buffer_names, inputs[first : first + len(graph.buffer_names)]))
         with torch.no_grad():
             for name, value in zip(graph.buffer_updates, outputs[1 + count :]):
                 buffers[name].copy_(value)  # BatchNorm running stats: written back like eager
@@ -364,7 +365,7 @@ class EvalStep(TrainStep):
     def _trace(self, batch: Sequence[Any]) -> TrainGraph:
         return capture_inference(self.module, self.loss_fn, batch)
 
-    def _unpack(self, graph: TrainGraph, outputs: list[Any]) -> Any:
+    def _unpack(self, graph: TrainGraph, outputs: list[Any], inputs: list[torch.Tensor]) -> Any:
         return EvalResult(loss=outputs[0], output=outputs[-1])
 
 
