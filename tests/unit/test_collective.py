@@ -108,6 +108,26 @@ def test_compressed_sums_are_the_same_everywhere_and_feed_back_errors(kind: str)
     assert (sent - exact).abs().max() <= (2 * 0.5 / 8 if kind.startswith("2bit") else 1e-2), (sent, exact)
 
 
+@pytest.mark.parametrize("kind", ["fp16", "int8", "2bit:0.5"])
+def test_two_pushes_of_a_key_in_one_collective_are_counted_once(kind: str) -> None:
+    """Two operations of one key share a residual: encoded in one message they would count it twice,
+    so a compressed unit takes one operation per key."""
+
+    def work(kv: CollectiveKVStore) -> tuple[list[float], list[float]]:
+        kv.set_gradient_compression(kind)
+        kv.init("k", torch.zeros(4))
+        first, second = torch.empty(4), torch.empty(4)
+        with kv.batched():  # both wait in the queue together, small enough to share a collective
+            handles = [kv.pushpull("k", torch.ones(4), out=first), kv.pushpull("k", torch.ones(4), out=second)]
+        for handle in handles:
+            handle.wait(timeout=30)
+        return first.tolist(), second.tolist()
+
+    for first, second in _each_worker(2, work, slice_size=100):
+        expected = [1.0] * 4 if kind.startswith("2bit") else [2.0] * 4  # 2bit: 0.5 each, sent once the sum reaches it
+        assert first == expected and second == expected, (first, second)
+
+
 def test_mismatched_shapes_are_refused_naming_both() -> None:
     def work(kv: CollectiveKVStore) -> str:
         with pytest.raises(KVStoreError) as error:

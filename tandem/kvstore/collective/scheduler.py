@@ -415,11 +415,15 @@ def _next_unit(ready: LanePriorityQueue[_Slice]) -> list[_Slice]:
     queue is the same on every worker, so the units are too."""
     first = ready.pop()
     unit, numel = [first], first.stop - first.start
+    operations = {first.operation.index: first.operation}  # per key, the operation whose slices are in the unit
     while ready:
         following = ready.peek()
         size = following.stop - following.start
         if numel + size > first.operation.slice_size or not _fusible(first.operation, following.operation):
             break
+        if following.operation.compression is not None \
+                and operations.setdefault(following.operation.index, following.operation) is not following.operation:
+            break  # a key's second operation: its residual is the first's, encoded together it would count twice
         unit.append(ready.pop())
         numel += size
     return unit
