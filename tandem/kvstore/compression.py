@@ -13,11 +13,12 @@ Kinds (``{"type": ..., "threshold": ...}``):
   than float32.
 - ``fp16`` / ``bf16``: the sum cast to 16 bits, 2x fewer bytes (fp16 values are clamped to its
   range first: what overflows stays in the residual instead of becoming ``inf``).
-- ``int8``: the sum scaled by one float32 per message (its largest magnitude / 127) and rounded to
-  8 bits, 4x fewer bytes. Unlike 2-bit it keeps every element's own value to 1/254 of the largest;
-  unlike 16-bit floats the codes cannot be summed as they are, so the collective store all-gathers
-  them: half of fp16's bytes with 2 workers, as many with 4, more beyond (a ring all-reduce moves
-  2(n-1)/n of the values, an all-gather n-1 times them).
+- ``int8``: the sum scaled by one float32 per message (per slice where the collective store sends
+  several slices as one: its largest magnitude / 127) and rounded to 8 bits, 4x fewer bytes.
+  Unlike 2-bit it keeps every element's own value to 1/254 of the largest; unlike 16-bit floats
+  the codes cannot be summed as they are, so the collective store all-gathers them: fewer bytes
+  than fp16 with 2 and 3 workers, as many with 4, more beyond (a ring all-reduce moves 2(n-1)/n of
+  the values, an all-gather n-1 times them).
 
 Only pushed values of float32 and float64 keys are compressed (pushes and pushpulls, never
 ``init``). Servers need no setting: a compressed push says so in its header (``Flag.COMPRESSED``)
@@ -186,7 +187,7 @@ def decode_parts(config: GradientCompression, data: torch.Tensor, sizes: Sequenc
 
 def summable(config: GradientCompression) -> bool:
     """Compressed values of this kind can be summed as they are (16-bit floats: all-reduced in
-    16 bits, as DDP's fp16 and bf16 hooks do); 2-bit codes cannot."""
+    16 bits, as DDP's fp16 and bf16 hooks do); int8 and 2-bit codes cannot."""
     return config.type in _CASTS
 
 
@@ -235,7 +236,14 @@ def decode_data(config: GradientCompression, data: memoryview, dtype: torch.dtyp
         if data.nbytes != INT8_SCALE_BYTES + numel:
             raise ProtocolError(f"int8 values of {numel} elements carry {data.nbytes} bytes, not "
                                 f"{INT8_SCALE_BYTES + numel} (a float32 scale, then a byte per element)")  # fmt: skip
-        return decode_tensor(config, torch.frombuffer(data, dtype=torch.uint8), dtype, numel)
+        scale = struct.unpack_from("<f", data)[0]
+        # what no encoder sends: the values would not be the sender's (NaN is: a part that was not finite)
+        if scale < 0 or scale > _FLOAT32_MAX / 127 or math.isinf(scale):
+            raise ProtocolError(f"int8 values with scale {scale} (an encoder sends 0 to float32's largest / 127, or NaN)")
+        codes = torch.frombuffer(data, dtype=torch.uint8)
+        if bool((codes[INT8_SCALE_BYTES:] == 0x80).any()):
+            raise ProtocolError("int8 values carry the code -128 (an encoder rounds to -127..127)")
+        return decode_tensor(config, codes, dtype, numel)
     if data.nbytes != 2 * numel:
         raise ProtocolError(f"{kind} values of {numel} elements carry {data.nbytes} bytes, not {2 * numel}")
     return decode_tensor(config, torch.frombuffer(data, dtype=_CASTS[kind]) if numel else None, dtype, numel)
@@ -257,8 +265,9 @@ INT8_SCALE_BYTES = 4  # an int8 part starts its message with its float32 scale
 
 def _encode_int8(totals: list[torch.Tensor]) -> torch.Tensor:
     """The parts as bytes: each part's float32 scale (its largest magnitude / 127), then every part's
-    elements / their part's scale rounded to int8; each total keeps its rounding error. A part that
-    is not finite gets scale NaN, so it arrives as NaN, as a 16-bit cast would send it."""
+    elements / their part's scale rounded to int8; each total keeps its rounding error. A part with
+    a value that is not finite (or, in float64, beyond float32's range) gets scale NaN: all of it
+    arrives as NaN, and its residual restarts at 0, so that a later finite gradient is sent whole."""
     sizes = [total.numel() for total in totals]
     nonempty = [total for total in totals if total.numel()]
     largest = torch.zeros(len(totals), dtype=torch.float32)
@@ -270,7 +279,7 @@ def _encode_int8(totals: list[torch.Tensor]) -> torch.Tensor:
     # per element, its part's float32 scale, as the receivers read it: the residual is exactly what they miss
     wide = scales.to(joined.dtype).repeat_interleave(torch.tensor(sizes), output_size=joined.numel())
     codes = torch.where(wide > 0, joined / wide, 0.0).round_().clamp_(-127, 127)  # scale 0 or NaN: code 0
-    joined.sub_(codes * wide)
+    joined.copy_(torch.where(wide.isnan(), 0.0, joined - codes * wide))
     if len(totals) > 1:  # the residuals are the totals: what the message leaves out goes back into each
         for total, rest in zip(totals, joined.split(sizes)):
             total.copy_(rest)

@@ -114,11 +114,14 @@ def test_int8_sends_each_element_to_a_254th_of_the_largest_and_keeps_the_rest(nu
         assert float(sent.abs().max()) == pytest.approx(127 * scale)
 
 
-def test_int8_of_zeros_and_of_a_nan() -> None:
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int8_of_zeros_and_of_a_value_that_is_not_finite(bad: float) -> None:
     config = GradientCompression("int8")
     assert decode_parts(config, encode_into_residual(config, torch.zeros(4)), [4], torch.float32).tolist() == [0.0] * 4
-    total = torch.tensor([1.0, float("nan")])  # a NaN gradient arrives as NaN, as a 16-bit cast sends it
-    assert decode_parts(config, encode_into_residual(config, total), [2], torch.float32).isnan().all()
+    parts = [torch.tensor([1.0, bad]), torch.tensor([3.0, -127.0])]  # scale 1: exact codes
+    sent = decode_parts(config, encode_parts(config, parts), [2, 2], torch.float32)
+    assert sent[:2].isnan().all() and sent[2:].tolist() == [3.0, -127.0]  # the other part is intact
+    assert parts[0].tolist() == [0.0, 0.0]  # a residual that restarts: a later finite gradient is sent whole
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16", "2bit:0.1", "int8"])
@@ -177,6 +180,10 @@ def _frames(code: int, threshold: float, data: bytes) -> list[memoryview]:
         (_frames(KINDS["fp16"], 0.0, b"\x00" * 6), torch.float32, 4, "carry 6 bytes, not 8"),
         (_frames(KINDS["fp16"], 0.0, b"\x00" * 8), torch.int64, 4, "only float32 and float64"),
         (_frames(KINDS["int8"], 0.0, b"\x00" * 4), torch.float32, 4, "carry 4 bytes, not 8"),
+        (_frames(KINDS["int8"], 0.0, struct.pack("<f", -1.0) + b"\x01"), torch.float32, 1, "scale -1.0"),
+        (_frames(KINDS["int8"], 0.0, struct.pack("<f", float("inf")) + b"\x01"), torch.float32, 1, "scale inf"),
+        (_frames(KINDS["int8"], 0.0, struct.pack("<f", 1e38) + b"\x01"), torch.float32, 1, "scale 9.99"),
+        (_frames(KINDS["int8"], 0.0, struct.pack("<f", 1.0) + b"\x01\x80"), torch.float32, 2, "code -128"),
     ],
 )
 def test_malformed_frames_are_rejected_with_the_reason(
