@@ -425,6 +425,8 @@ def _to_train_graph(graph_module: Any, signature: Any, layout: BatchLayout, alia
         model_output=by_name[signature.user_outputs[1]] if inference else None,
         layout=layout,
     )
+    # a mutated buffer is lifted as an input: TrainStep writes its update into that input
+    assert set(train_graph.buffer_updates) <= set(train_graph.buffer_names), "a mutated buffer that is not an input"
     train_graph.aliases = {other: first for first, names in aliases.items() for other in names[1:]}
     _merge_tied_gradients(train_graph, aliases)
     _drop_trace_only(graph)

@@ -61,6 +61,8 @@ from functools import partial
 from typing import Literal
 
 from tandem.env import knob
+from tandem.kvstore.compression import KINDS as COMPRESSION_KINDS
+from tandem.kvstore.compression import GradientCompression, summable
 from tandem.kvstore.ps.client import grouped
 from tandem.kvstore.ps.p3_sender import small
 from tandem.kvstore.ps.placement import RangePlacement, RoundRobinPlacement, Slice
@@ -71,8 +73,9 @@ Mode = Literal["baseline", "overlap", "p3", "allreduce", "collective"]
 MODES: tuple[Mode, ...] = ("baseline", "overlap", "p3", "allreduce", "collective")
 SLICED_MODES: tuple[Mode, ...] = ("p3", "collective")  # the modes with a slice size and a water mark to tune
 PS_MODES = ("baseline", "overlap", "p3")
-COMPRESSION_RATIO = {"none": 1, "fp16": 2, "bf16": 2, "int8": 4, "2bit": 16}  # float32 bytes / bytes on the wire
-GATHERED = ("int8", "2bit")  # codes that cannot be summed as they are: the collective store all-gathers them
+# float32 bytes / bytes on the wire, per kind; the kinds whose codes the collective store all-gathers (not summable)
+COMPRESSION_RATIO = {"none": 1, **{kind: GradientCompression(kind).ratio for kind in COMPRESSION_KINDS}}
+GATHERED = tuple(kind for kind in COMPRESSION_KINDS if not summable(GradientCompression(kind)))
 INF = math.inf
 # TCP over Ethernet at MTU 1500: a full segment carries 1448 bytes of payload in a 1514-byte frame
 # (14 B Ethernet, 20 B IP, 20 B TCP, 12 B TCP timestamps), and a rate limiter (tc tbf) or a NIC's
