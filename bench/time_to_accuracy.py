@@ -11,8 +11,8 @@ to the link rate (as bench/p3.py). Modes:
 - baseline, overlap, p3: the parameter server (``dist_sync``, ``dist_sync``, ``dist_p3``), 2 servers;
 - collective-p3: ``kvstore="collective"``, workers only;
   each of them also with gradient compression (``+fp16``, ``+2bit`` with error feedback);
-  ``--modes`` also takes bench/p3.py's other modes (``collective-baseline``: one exchange after
-  backward; ``collective-overlap``) and ``+int8`` / ``+bf16`` (``--compressions int8`` adds int8 rows);
+  ``--modes`` also takes ``collective-baseline`` (one exchange after backward) and
+  ``collective-overlap``, and ``+int8`` / ``+bf16`` (``--compressions int8`` adds int8 rows);
 - ddp, ddp+fp16, ddp+powersgd: torch DistributedDataParallel over gloo, plain and with its
   communication hooks (bench/p3.py's ``ddp_wrap``: fp16_compress_hook; powerSGD_hook, rank 2,
   vanilla all-reduce for the first 2 steps).
