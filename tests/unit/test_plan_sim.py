@@ -308,8 +308,9 @@ def test_collective_sends_wait_for_a_bucket_of_finished_gradients() -> None:
 
 def test_compressed_collectives_sum_16_bits_and_gather_2_bits() -> None:
     """As the store does: fp16 slices are all-reduced in 16 bits (4 workers: 2 x 3/4 x 2 MB = 0.75 s),
-    2-bit codes all-gathered (each worker decodes and sums them: 3 x 250 kB = 0.1875 s, where an
-    all-reduce of them would take 0.09375 s). Each after 1.5 s of compute."""
+    2-bit and int8 codes all-gathered (each worker decodes and sums them: 3 x 250 kB = 0.1875 s, where
+    an all-reduce of them would take 0.09375 s; int8: 3 x 1 MB = 0.75 s, fp16's time with 4 workers).
+    Each after 1.5 s of compute."""
     cluster = at_whole_rate(4, 0, RATE, latency_s=0.0, **FREE)
     fp16 = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7, compression="fp16"))
     assert allreduce_seconds(2_000_000, cluster) == pytest.approx(0.75)
@@ -317,6 +318,8 @@ def test_compressed_collectives_sum_16_bits_and_gather_2_bits() -> None:
     two_bit = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7, compression="2bit"))
     assert allgather_seconds(250_000, cluster) == pytest.approx(0.1875)
     assert two_bit.iteration_s == pytest.approx(1.5 + 0.1875)
+    int8 = simulate(one_gradient(), cluster, Strategy("collective", slice_size=10**7, compression="int8"))
+    assert int8.iteration_s == pytest.approx(1.5 + allgather_seconds(1_000_000, cluster)) == pytest.approx(2.25)
 
 
 def test_each_refill_waits_for_a_round_unless_ordered() -> None:
