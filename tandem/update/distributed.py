@@ -316,7 +316,8 @@ class DistributedUpdate(Update):
         return dict(zip(names, torch._foreach_div(sums, self.num_workers)))  # one op, not one per gradient
 
     def after_backward(self, result: StepResult) -> None:
-        """After a step: baseline pushes everything, then pulls everything; the others already sent (or held)."""
+        """After a step: baseline pushes everything, then pulls everything (on the collective store one
+        pushpull: an all-reduce); the others already sent (or held)."""
         if self.mode == "baseline":
             self._exchange(self._names, [result.grads[n] for n in self._names], pushpull=False)
             return
