@@ -153,7 +153,7 @@ def encode_into_residual(config: GradientCompression, total: torch.Tensor, summa
         total.add_(negative.to(total.dtype), alpha=threshold).sub_(positive.to(total.dtype), alpha=threshold)
         return _pack_2bit(codes)
     if config.type == "int8":
-        return _encode_int8([total])
+        return _encode_int8(total, [total.numel()])
     if config.type == "fp16":
         bound = _FP16_MAX / summands
         sent = total.clamp(-bound, bound).to(torch.float16)  # overflow stays in the residual
@@ -167,14 +167,12 @@ def encode_parts(config: GradientCompression, totals: list[torch.Tensor], summan
     """``encode_into_residual`` of several flat values as one message (the collective store's fused
     slices): encoded over their concatenation in a few ops, not a few per part; int8 keeps a scale
     per part. ``decode_parts`` reads it back."""
-    if config.type == "int8":
-        return _encode_int8(totals)
-    if len(totals) == 1:
-        return encode_into_residual(config, totals[0], summands)
-    joined = torch.cat(totals)
-    sent = encode_into_residual(config, joined, summands)
-    for total, rest in zip(totals, joined.split([total.numel() for total in totals])):
-        total.copy_(rest)  # the residuals are the totals: what the message leaves out goes back into each
+    sizes = [total.numel() for total in totals]
+    joined = totals[0] if len(totals) == 1 else torch.cat(totals)
+    sent = _encode_int8(joined, sizes) if config.type == "int8" else encode_into_residual(config, joined, summands)
+    if len(totals) > 1:  # the residuals are the totals: what the message leaves out goes back into each
+        for total, rest in zip(totals, joined.split(sizes)):
+            total.copy_(rest)
     return sent
 
 
@@ -240,10 +238,10 @@ def decode_data(config: GradientCompression, data: memoryview, dtype: torch.dtyp
         # what no encoder sends: the values would not be the sender's (NaN is: a part that was not finite)
         if scale < 0 or scale > _FLOAT32_MAX / 127 or math.isinf(scale):
             raise ProtocolError(f"int8 values with scale {scale} (an encoder sends 0 to float32's largest / 127, or NaN)")
-        codes = torch.frombuffer(data, dtype=torch.uint8)
-        if bool((codes[INT8_SCALE_BYTES:] == 0x80).any()):
+        message = torch.frombuffer(data, dtype=torch.uint8)  # the scale's 4 bytes, then the codes
+        if bool((message[INT8_SCALE_BYTES:] == 0x80).any()):
             raise ProtocolError("int8 values carry the code -128 (an encoder rounds to -127..127)")
-        return decode_tensor(config, codes, dtype, numel)
+        return decode_tensor(config, message, dtype, numel)
     if data.nbytes != 2 * numel:
         raise ProtocolError(f"{kind} values of {numel} elements carry {data.nbytes} bytes, not {2 * numel}")
     return decode_tensor(config, torch.frombuffer(data, dtype=_CASTS[kind]) if numel else None, dtype, numel)
@@ -263,26 +261,22 @@ def decode_tensor(config: GradientCompression, data: torch.Tensor | None, dtype:
 INT8_SCALE_BYTES = 4  # an int8 part starts its message with its float32 scale
 
 
-def _encode_int8(totals: list[torch.Tensor]) -> torch.Tensor:
-    """The parts as bytes: each part's float32 scale (its largest magnitude / 127), then every part's
-    elements / their part's scale rounded to int8; each total keeps its rounding error. A part with
-    a value that is not finite (or, in float64, beyond float32's range) gets scale NaN: all of it
-    arrives as NaN, and its residual restarts at 0, so that a later finite gradient is sent whole."""
-    sizes = [total.numel() for total in totals]
-    nonempty = [total for total in totals if total.numel()]
-    largest = torch.zeros(len(totals), dtype=torch.float32)
+def _encode_int8(joined: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``joined``, parts of ``sizes`` elements, as bytes: each part's float32 scale (its largest
+    magnitude / 127), then every element / its part's scale rounded to int8; ``joined`` keeps the
+    rounding error. A part with a value that is not finite (or, in float64, beyond float32's range)
+    gets scale NaN: all of it arrives as NaN, and its residual restarts at 0, so that a later finite
+    gradient is sent whole."""
+    nonempty = [part for part in joined.split(sizes) if part.numel()]
+    largest = torch.zeros(len(sizes), dtype=torch.float32)
     if nonempty:  # one op for every part's largest magnitude (an empty part has none: scale 0)
         norms = torch.stack(torch._foreach_norm(nonempty, float("inf"))).to(torch.float32)
         largest[[index for index, size in enumerate(sizes) if size]] = norms
     scales = torch.where(largest.isfinite(), largest / 127, math.nan)
-    joined = totals[0] if len(totals) == 1 else torch.cat(totals)
     # per element, its part's float32 scale, as the receivers read it: the residual is exactly what they miss
     wide = scales.to(joined.dtype).repeat_interleave(torch.tensor(sizes), output_size=joined.numel())
     codes = torch.where(wide > 0, joined / wide, 0.0).round_().clamp_(-127, 127)  # scale 0 or NaN: code 0
     joined.copy_(torch.where(wide.isnan(), 0.0, joined - codes * wide))
-    if len(totals) > 1:  # the residuals are the totals: what the message leaves out goes back into each
-        for total, rest in zip(totals, joined.split(sizes)):
-            total.copy_(rest)
     return torch.cat([scales.view(torch.uint8), codes.to(torch.int8).view(torch.uint8)])
 
 
