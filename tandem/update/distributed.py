@@ -193,7 +193,9 @@ class DistributedUpdate(Update):
         are the same, since the store issues each send's slices as one sequence."""
         segments = [list(segment.gradients) for segment in step.executor.segments if segment.gradients]
         self._expected_sends = segments  # checked while sends go in order (the tuner may switch)
-        mine = [setting, self.mode, self._bucket_knob, self._batch_segments, segments]
+        mine = {"TANDEM_COLLECTIVE_ORDERED": setting, "communication": self.mode,
+                "TANDEM_SEND_BUCKET_ELEMENTS": self._bucket_knob, "TANDEM_PS_BATCH_SEGMENTS": self._batch_segments,
+                "sends": segments}  # fmt: skip
         everyone = [json.loads(text) for text in self.store.gather("sends", json.dumps(mine))]
         for rank, theirs in enumerate(everyone):
             if theirs != everyone[0]:
@@ -342,7 +344,7 @@ class DistributedUpdate(Update):
         targets = [params[n].data if on_servers else self._received[n] for n in names]
         outgoing = [self._outgoing(grad) for grad in grads]
         start = trace.now_us()
-        pushpull = pushpull or self.store.kind == "collective"  # an all-reduce is a pushpull: sums land in targets
+        pushpull = pushpull or self.store.kind in SERVERLESS_KINDS  # an all-reduce is a pushpull: sums land in targets
         if pushpull:
             handle = self.store.pushpull(names, outgoing, out=targets)
         else:
@@ -364,13 +366,12 @@ class DistributedUpdate(Update):
         self.store.close()
 
 
-def _first_difference(mine: list[Any], theirs: list[Any]) -> str:
-    """Where two workers' groupings (``_agree_on_sends``) first differ, in words."""
-    names = ("TANDEM_COLLECTIVE_ORDERED", "communication", "TANDEM_SEND_BUCKET_ELEMENTS", "TANDEM_PS_BATCH_SEGMENTS")
-    for name, a, b in zip(names, mine, theirs):
-        if a != b:
-            return f"{name}: {a} against {b}"
-    for index, (a, b) in enumerate(zip(mine[-1], theirs[-1])):
+def _first_difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """Where two workers' groupings (``_agree_on_sends``: settings, then "sends") first differ, in words."""
+    for name in mine:
+        if name != "sends" and mine[name] != theirs[name]:
+            return f"{name}: {mine[name]} against {theirs[name]}"
+    for index, (a, b) in enumerate(zip(mine["sends"], theirs["sends"])):
         if a != b:
             return f"send {index}: {a} against {b}"
-    return f"{len(mine[-1])} sends against {len(theirs[-1])}"
+    return f"{len(mine['sends'])} sends against {len(theirs['sends'])}"

@@ -442,3 +442,18 @@ def test_the_tuners_ordered_timing_sends_during_backward_in_order() -> None:
         return seen
 
     assert _each_worker(1, work)[0] == [("during", True), ("during", False), ("after", True), ("serial", True)]
+
+
+def test_a_different_grouping_of_sends_is_named() -> None:
+    """At attach the workers compare how they group their sends (``_agree_on_sends``): the error names
+    the first setting that differs, else the first send, else the count."""
+    from tandem.update.distributed import _first_difference
+
+    def grouping(bucket: int = -1, sends: list[list[str]] | None = None) -> dict[str, Any]:
+        return {"TANDEM_COLLECTIVE_ORDERED": "auto", "communication": "overlap", "TANDEM_SEND_BUCKET_ELEMENTS": bucket,
+                "TANDEM_PS_BATCH_SEGMENTS": True, "sends": [["fc.weight"], ["conv.weight"]] if sends is None else sends}  # fmt: skip
+
+    assert _first_difference(grouping(), grouping(bucket=0)) == "TANDEM_SEND_BUCKET_ELEMENTS: -1 against 0"
+    assert _first_difference(grouping(), grouping(sends=[["fc.weight"], ["conv.bias"]])) == (
+        "send 1: ['conv.weight'] against ['conv.bias']")
+    assert _first_difference(grouping(), grouping(sends=[["fc.weight"]])) == "2 sends against 1"
