@@ -30,6 +30,7 @@ residual (``Server._compress_value``), and the reply says so in its header too.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import sys
@@ -266,25 +267,37 @@ def _encode_int8(joined: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     magnitude / 127), then every element / its part's scale rounded to int8; ``joined`` keeps the
     rounding error. A part with a value that is not finite (or, in float64, beyond float32's range)
     gets scale NaN: all of it arrives as NaN, and its residual restarts at 0, so that a later finite
-    gradient is sent whole."""
-    nonempty = [part for part in joined.split(sizes) if part.numel()]
-    largest = torch.zeros(len(sizes), dtype=torch.float32)
-    if nonempty:  # one op for every part's largest magnitude (an empty part has none: scale 0)
-        norms = torch.stack(torch._foreach_norm(nonempty, float("inf"))).to(torch.float32)
-        largest[[index for index, size in enumerate(sizes) if size]] = norms
-    scales = torch.where(largest.isfinite(), largest / 127, math.nan)
+    gradient is sent whole. A dozen ops whatever the parts (they run once per collective, on the
+    scheduler's thread, beside the step's compute)."""
+    nonempty = [index for index, size in enumerate(sizes) if size]
+    magnitudes = joined.abs().split(sizes)
+    # one op for every part's largest magnitude (max propagates NaN); beyond float32's range: inf, so scale NaN
+    largest = torch.stack(torch._foreach_max([magnitudes[index] for index in nonempty])).to(torch.float32) \
+        if nonempty else torch.zeros(0)  # fmt: skip
+    if len(nonempty) < len(sizes):  # an empty part has no magnitude: scale 0
+        largest = torch.zeros(len(sizes), dtype=torch.float32).index_copy_(0, torch.tensor(nonempty, dtype=torch.int64), largest)
+    scales = largest.div_(127)
+    scales.masked_fill_(~scales.isfinite(), math.nan)
     # per element, its part's float32 scale, as the receivers read it: the residual is exactly what they miss
-    wide = scales.to(joined.dtype).repeat_interleave(torch.tensor(sizes), output_size=joined.numel())
-    codes = torch.where(wide > 0, joined / wide, 0.0).round_().clamp_(-127, 127)  # scale 0 or NaN: code 0
-    joined.copy_(torch.where(wide.isnan(), 0.0, joined - codes * wide))
+    wide = scales.to(joined.dtype).repeat_interleave(_sizes_tensor(tuple(sizes)), output_size=joined.numel())
+    # 0 / 0 (a zero part) and x / NaN give NaN: code 0; |x| / scale <= 127 elsewhere, clamped against rounding
+    codes = (joined / wide).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127)
+    # not addcmul_: its fused multiply-add would round differently from the receivers' codes * scale
+    joined.sub_(codes * wide).nan_to_num_(0.0, 0.0, 0.0)  # a part with scale NaN keeps 0
     return torch.cat([scales.view(torch.uint8), codes.to(torch.int8).view(torch.uint8)])
+
+
+@functools.lru_cache(maxsize=1024)
+def _sizes_tensor(sizes: tuple[int, ...]) -> torch.Tensor:
+    """``sizes`` as a tensor for ``repeat_interleave``: made once per grouping (a step repeats its groupings)."""
+    return torch.tensor(sizes, dtype=torch.int64)
 
 
 def _decode_int8(data: torch.Tensor, sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """``_encode_int8``'s bytes (a uint8 tensor at any offset) back to the parts' values, joined."""
     head = INT8_SCALE_BYTES * len(sizes)
     scales = data[:head].clone().view(torch.float32).to(dtype)  # cloned: aligned for the float view
-    wide = scales.repeat_interleave(torch.tensor(list(sizes)), output_size=data.numel() - head)
+    wide = scales.repeat_interleave(_sizes_tensor(tuple(sizes)), output_size=data.numel() - head)
     return data[head:].view(torch.int8).to(dtype).mul_(wide)
 
 
