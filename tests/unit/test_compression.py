@@ -11,6 +11,7 @@ import torch
 from tandem.kvstore import LocalKVStore
 from tandem.kvstore.compression import (
     DESCRIPTOR,
+    INT8_BLOCK,
     KINDS,
     Compressor,
     GradientCompression,
@@ -90,28 +91,29 @@ def test_fp16_summed_over_workers_is_clamped_so_the_sum_stays_finite() -> None:
     assert summable(config) and summable(GradientCompression("bf16")) and not summable(GradientCompression("2bit"))
 
 
-@pytest.mark.parametrize(("kind", "ratio", "header"), [("2bit", 16, 0), ("fp16", 2, 0), ("bf16", 2, 0), ("int8", 4, 4)])
-def test_bytes_on_the_wire(kind: str, ratio: int, header: int) -> None:
+@pytest.mark.parametrize(("kind", "nbytes"), [("2bit", 10_000), ("fp16", 80_000), ("bf16", 80_000), ("int8", 42_500)])
+def test_bytes_on_the_wire(kind: str, nbytes: int) -> None:
     config = GradientCompression(kind)
     frames = Compressor(config).encode("k", torch.randn(40_000), 0, 40_000)
-    assert config.ratio == ratio
-    assert frames[1].nbytes == 40_000 * 4 // ratio + header
+    assert frames[1].nbytes == nbytes == 40_000 * 4 / config.ratio  # int8: a float32 scale per 64 elements
     assert _frames_bytes(frames) == frames[1].nbytes + DESCRIPTOR.size
 
 
-@pytest.mark.parametrize("numel", [0, 1, 5, 1001])
-def test_int8_sends_each_element_to_a_254th_of_the_largest_and_keeps_the_rest(numel: int) -> None:
+@pytest.mark.parametrize("numel", [0, 1, 5, 64, 1001])
+def test_int8_sends_each_element_to_a_254th_of_its_blocks_largest_and_keeps_the_rest(numel: int) -> None:
     compressor = Compressor(GradientCompression("int8"))
-    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 3
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, numel)
     frames = compressor.encode("k", grad, 0, numel)
-    assert frames[1].nbytes == 4 + numel  # a float32 scale, then a byte per element: 4x fewer bytes
+    blocks = -(-numel // INT8_BLOCK)  # the last one shorter
+    assert frames[1].nbytes == 4 * blocks + numel  # a float32 scale per block, then a byte per element
     sent = decode(frames, torch.float32, numel)
     residual = compressor.residual("k")
     assert residual is not None and torch.equal(sent + residual, grad)  # exactly: what is not sent stays
-    if numel:
-        scale = float(grad.abs().max()) / 127
-        assert residual.abs().max() <= scale / 2 * (1 + 1e-6)  # rounded to the nearest code
-        assert float(sent.abs().max()) == pytest.approx(127 * scale)
+    for start in range(0, numel, INT8_BLOCK):  # each block to its own scale: small values are not lost to large ones
+        block = slice(start, start + INT8_BLOCK)
+        scale = float(grad[block].abs().max()) / 127
+        assert residual[block].abs().max() <= scale / 2 * (1 + 1e-6)  # rounded to the nearest code
+        assert float(sent[block].abs().max()) == pytest.approx(127 * scale)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -122,15 +124,19 @@ def test_int8_of_zeros_and_of_a_value_that_is_not_finite(bad: float) -> None:
     sent = decode_parts(config, encode_parts(config, parts), [2, 2], torch.float32)
     assert sent[:2].isnan().all() and sent[2:].tolist() == [3.0, -127.0]  # the other part is intact
     assert parts[0].tolist() == [0.0, 0.0]  # a residual that restarts: a later finite gradient is sent whole
+    long = torch.ones(2 * INT8_BLOCK)
+    long[-1] = bad
+    sent = decode_parts(config, encode_into_residual(config, long), [long.numel()], torch.float32)
+    assert sent[INT8_BLOCK:].isnan().all() and sent[:INT8_BLOCK].tolist() == [1.0] * INT8_BLOCK  # per block
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16", "2bit:0.1", "int8"])
 def test_parts_encoded_together_decode_to_each_part_encoded_alone(kind: str) -> None:
     """The collective store encodes the slices sharing a collective as one message: the values and
-    residuals are those of each slice encoded alone (int8 keeps each slice's own scale)."""
+    residuals are those of each slice encoded alone (int8's blocks never straddle two slices)."""
     config = GradientCompression.parse(kind)
     generator = torch.Generator().manual_seed(1)
-    sizes = [3, 1, 40, 7]
+    sizes = [3, 1, 40, 7, 130]  # int8: the last one three blocks, 64 + 64 + 2
     parts = [torch.randn(size, generator=generator) * (index + 1) for index, size in enumerate(sizes)]
     alone = [part.clone() for part in parts]
     expected = torch.cat([decode_parts(config, encode_into_residual(config, part), [part.numel()], torch.float32)
@@ -184,6 +190,8 @@ def _frames(code: int, threshold: float, data: bytes) -> list[memoryview]:
         (_frames(KINDS["int8"], 0.0, struct.pack("<f", float("inf")) + b"\x01"), torch.float32, 1, "scale inf"),
         (_frames(KINDS["int8"], 0.0, struct.pack("<f", 1e38) + b"\x01"), torch.float32, 1, "scale 9.99"),
         (_frames(KINDS["int8"], 0.0, struct.pack("<f", 1.0) + b"\x01\x80"), torch.float32, 2, "code -128"),
+        (_frames(KINDS["int8"], 0.0, struct.pack("<f", 1.0) + b"\x01" * 65), torch.float32, 65, "carry 69 bytes, not 73"),
+        (_frames(KINDS["int8"], 0.0, struct.pack("<2f", 1.0, -2.0) + b"\x01" * 65), torch.float32, 65, "scale -2.0"),
     ],
 )
 def test_malformed_frames_are_rejected_with_the_reason(

@@ -55,7 +55,7 @@ from tandem import trace
 from tandem.kvstore.base import Handle
 from tandem.kvstore.compression import (
     GradientCompression,
-    add_to_residual,
+    add_to_residuals,
     decode_parts,
     encode_parts,
     summable,
@@ -267,8 +267,8 @@ class Scheduler:
         finish: Callable[[], None]
         if compression is not None:
             summed = summable(compression)  # 16-bit floats are all-reduced as they are; int8, 2-bit codes all-gathered
-            totals = [add_to_residual(self._residuals, part.operation.index, part.operation.value, part.start, part.stop)
-                      for part in unit]  # fmt: skip
+            totals = add_to_residuals(self._residuals, [(part.operation.index, part.operation.value, part.start, part.stop)
+                                                        for part in unit])  # fmt: skip
             sent = encode_parts(compression, totals, self.size if summed else 1)  # the unit's slices as one message
             if summed:  # half the bytes of an all-gather from 4 workers on: a ring all-reduce moves 2(n-1)/n
                 work = self.data.allreduce([sent])
@@ -445,11 +445,8 @@ class _Unfuse:
         self.unit, self.fused = unit, fused
 
     def __call__(self) -> None:
-        offset = 0
-        for part in self.unit:
-            size = part.stop - part.start
-            part.operation.target[part.start : part.stop].copy_(self.fused[offset : offset + size])
-            offset += size
+        targets = [part.operation.target[part.start : part.stop] for part in self.unit]
+        torch._foreach_copy_(targets, list(self.fused.split([target.numel() for target in targets])))  # one op
 
 
 class _Decode:
