@@ -186,21 +186,27 @@ def _train(rank: int, step: Any, drain: Any, evaluate: Any, args: dict[str, Any]
     batches = _batches(task.name, train, rank, args["workers"], args["batch"], args["seed"])
     curve: list[tuple[int, float, float]] = []
     elapsed, first = 0.0, None
+    # CPU seconds of every thread of this process from the second step on, evaluation excluded: what
+    # the steps cost the shared cores (a step bound by them gains nothing from a faster link)
+    cpu, cpu_start = 0.0, 0.0
     start = time.perf_counter()
     for number in range(1, args["steps"] + 1):
         step(*next(batches))
         if first is None:
             first = time.perf_counter() - start
+            cpu_start = time.process_time()
         if number % args["eval_every"] == 0 or number == args["steps"]:
             drain()
             elapsed += time.perf_counter() - start
+            cpu += time.process_time() - cpu_start
             curve.append((number, elapsed, evaluate()))
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
     if rank == 0:
         hits = [(number, seconds) for number, seconds, value in curve if task.reached(value, args["target"])]
         print(MARK + json.dumps({"curve": curve, "time_to_target": hits[0][1] if hits else None,
                                  "steps_to_target": hits[0][0] if hits else None, "final": curve[-1][2],
-                                 "first_step": first, "train_seconds": elapsed}), flush=True)  # fmt: skip
+                                 "first_step": first, "train_seconds": elapsed,
+                                 "cpu_seconds": cpu}), flush=True)  # fmt: skip
 
 
 def tandem_job(mode: str, args: dict[str, Any]) -> None:
@@ -303,13 +309,18 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     hits = [run for run in runs if run["time_to_target"] is not None]
     reached = len(hits) * 2 >= len(runs)
+    later = [run["curve"][-1][0] - 1 for run in runs]  # steps after the first
+    cpu = [run["cpu_seconds"] / steps * 1e3 for run, steps in zip(runs, later) if "cpu_seconds" in run]
     return {"curve": runs[0]["curve"], "runs": len(runs), "reached_runs": len(hits),
             "time_to_target": median(run["time_to_target"] for run in hits) if reached else None,
             "less_first_step": median(run["time_to_target"] - run["first_step"] for run in hits) if reached else None,
             "steps_to_target": median(run["steps_to_target"] for run in hits) if reached else None,
             "final": median(run["final"] for run in runs),
             "first_step": median(run["first_step"] for run in runs),
-            "train_seconds": median(run["train_seconds"] for run in runs)}  # fmt: skip
+            "train_seconds": median(run["train_seconds"] for run in runs),
+            "ms_per_step": median((run["train_seconds"] - run["first_step"]) / steps * 1e3 for run, steps in zip(runs, later)),
+            "cpu_ms_per_step": median(cpu) if cpu else None,
+            "steps_by_seed": [run["steps_to_target"] for run in runs]}  # fmt: skip
 
 
 def _stem(task: Task, settings: dict[str, Any]) -> str:
@@ -486,20 +497,25 @@ def _write(task: Task, raw: dict[str, Any]) -> None:
             ratio = less_first / min(ddp_times) if seconds is not None and ddp_times else "-"
             rows.append([workers, rate, mode, "not reached" if seconds is None else seconds,
                          "-" if less_first is None else less_first, result["steps_to_target"] or "-",
-                         result["final"], ratio, result["first_step"], result["train_seconds"]]
-                        + ([f"{result['reached_runs']}/{result['runs']}"] if seeds > 1 else []))  # fmt: skip
+                         result["final"], ratio, result["first_step"], result["train_seconds"], result["ms_per_step"],
+                         "-" if result["cpu_ms_per_step"] is None else result["cpu_ms_per_step"]]
+                        + ([", ".join(str(steps or "-") for steps in result["steps_by_seed"]),
+                            f"{result['reached_runs']}/{result['runs']}"] if seeds > 1 else []))  # fmt: skip
         goals.append(_goal(task, workers, rate, results, settings["target"], parameters))
     steps = settings["steps"]
     table = markdown_table(["workers", "link", "mode", "time to target s", "less first step s", "steps to target",
                             f"final {task.metric}", "vs best ddp (less first step)", "first step s",
-                            f"{steps} steps s"] + (["runs reaching target"] if seeds > 1 else []), rows)  # fmt: skip
+                            f"{steps} steps s", "ms a step", "CPU ms a step"]
+                           + (["steps to target by seed", "runs reaching target"] if seeds > 1 else []), rows)  # fmt: skip
     summary = _summary(curves)
     optimizer = (f"AdamW lr {settings['lr']} weight decay {WEIGHT_DECAY}" if task.name == "text"
                  else f"SGD lr {settings['lr']} momentum {settings['momentum']}")  # fmt: skip
     note = (f"{task.title} ({parameters} parameters), global batch {settings['batch']}, {optimizer}, {steps} steps, "
             f"target {task.metric} {settings['target']}, evaluated every {settings['eval_every']} steps; training "
             "wall time of rank 0 from its first step (first step and drains included, evaluation excluded); 'less "
-            "first step': the same less the first step's time (capture), which the goal and the ratios use; "
+            "first step': the same less the first step's time (capture), which the goal and the ratios use; 'ms a "
+            "step': the training wall time less the first step, per later step; 'CPU ms a step': rank 0's CPU time "
+            "(every thread of the process) per later step, evaluation excluded; "
             + ("one run per mode" if seeds == 1 else f"medians of {seeds} runs per mode (seeds 0-{seeds - 1}), the "
                "target counted as reached where at least half the runs reached it")
             + ("" if settings.get("backend", "aten") == "aten" else "; tandem's modes with backend=\"inductor\", "
