@@ -253,10 +253,10 @@ def decode_data(config: GradientCompression, data: memoryview, dtype: torch.dtyp
         head = expected - numel
         scales = message[:head].clone().view(torch.float32)
         # what no encoder sends: the values would not be the sender's (NaN is: a block that was not finite)
-        bad = (scales < 0) | (scales > _FLOAT32_MAX / 127)  # inf included; NaN compares false
+        bad = scales.signbit() | (scales > INT8_MAX_SCALE)  # -0.0 and negative NaN included, inf too
         if bool(bad.any()):
-            raise ProtocolError(f"int8 values with scale {float(scales[bad][0])} (an encoder sends 0 to float32's "
-                                f"largest / 127, or NaN)")  # fmt: skip
+            raise ProtocolError(f"int8 values with scale {float(scales[bad][0])} (an encoder sends 0 to "
+                                f"{INT8_MAX_SCALE}, or NaN)")  # fmt: skip
         if bool((message[head:] == 0x80).any()):
             raise ProtocolError("int8 values carry the code -128 (an encoder rounds to -127..127)")
         return decode_tensor(config, message, dtype, numel)
@@ -278,6 +278,9 @@ def decode_tensor(config: GradientCompression, data: torch.Tensor | None, dtype:
 
 INT8_SCALE_BYTES = 4  # an int8 message starts with its blocks' float32 scales
 INT8_BLOCK = 64  # elements per scale: an outlier coarsens its own block only, for 1/16 more bytes
+# the largest scale whose 127 codes stay finite in float32 (float32's largest / 127 rounds up): larger
+# blocks keep the rest in the residual
+INT8_MAX_SCALE = float(torch.nextafter(torch.tensor(_FLOAT32_MAX / 127, dtype=torch.float32), torch.tensor(0.0)))
 
 
 def _encode_int8(joined: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -290,9 +293,9 @@ def _encode_int8(joined: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     blocks = _int8_blocks(tuple(sizes))
     if not joined.numel():
         return torch.empty(0, dtype=torch.uint8)
-    # every block's largest magnitude in one op (max propagates NaN); beyond float32's range: inf, so scale NaN
-    scales = torch.segment_reduce(joined.abs(), "max", lengths=blocks).to(torch.float32).div_(127)
-    scales.masked_fill_(~scales.isfinite(), math.nan)
+    # every block's largest magnitude (max propagates NaN); beyond float32's range: inf, so scale NaN
+    scales = _block_maxima(joined.abs(), sizes, blocks).to(torch.float32).div_(127)
+    scales.masked_fill_(~scales.isfinite(), math.nan).clamp_(max=INT8_MAX_SCALE)  # 127 x scale stays finite
     # per element, its block's float32 scale, as the receivers read it: the residual is exactly what they miss
     wide = scales.to(joined.dtype).repeat_interleave(blocks, output_size=joined.numel())
     # 0 / 0 (a zero block) and x / NaN give NaN: code 0; |x| / scale <= 127 elsewhere, clamped against rounding
@@ -302,11 +305,30 @@ def _encode_int8(joined: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.cat([scales.view(torch.uint8), codes.to(torch.int8).view(torch.uint8)])
 
 
-@functools.lru_cache(maxsize=1024)
+def _block_maxima(magnitudes: torch.Tensor, sizes: list[int], blocks: torch.Tensor) -> torch.Tensor:
+    """Each block's largest magnitude: one part (a parameter-server push, up to millions of elements)
+    as a view of whole blocks and its tail; the several parts of a collective in one segment_reduce."""
+    if len(sizes) > 1:
+        return torch.segment_reduce(magnitudes, "max", lengths=blocks)
+    whole = sizes[0] // INT8_BLOCK * INT8_BLOCK
+    maxima = magnitudes[:whole].view(-1, INT8_BLOCK).amax(dim=1)
+    return maxima if whole == sizes[0] else torch.cat([maxima, magnitudes[whole:].amax().view(1)])
+
+
 def _int8_blocks(sizes: tuple[int, ...]) -> torch.Tensor:
     """The int8 blocks of parts of ``sizes`` elements, as a tensor of their lengths: each part cut into
-    blocks of ``INT8_BLOCK`` elements, its last one shorter (an empty part has none). Made once per
-    grouping: a step repeats its groupings."""
+    blocks of ``INT8_BLOCK`` elements, its last one shorter (an empty part has none)."""
+    if len(sizes) > 1:
+        return _int8_blocks_of_parts(sizes)
+    whole, rest = divmod(sizes[0], INT8_BLOCK)  # one part: not cached (a peer may send any size)
+    tail = torch.tensor([rest] if rest else [], dtype=torch.int64)
+    return torch.cat([torch.full((whole,), INT8_BLOCK, dtype=torch.int64), tail])
+
+
+@functools.lru_cache(maxsize=256)
+def _int8_blocks_of_parts(sizes: tuple[int, ...]) -> torch.Tensor:
+    """``_int8_blocks`` of several parts (a collective's fused slices): made once per grouping, since a
+    step repeats its groupings."""
     lengths = []
     for size in sizes:
         lengths += [INT8_BLOCK] * (size // INT8_BLOCK) + ([size % INT8_BLOCK] if size % INT8_BLOCK else [])

@@ -295,7 +295,7 @@ def test_small_slices_requested_together_share_collectives(kind: str | None) -> 
                 assert torch.equal(one, exact), (size, step)
             elif kind == "fp16":
                 assert torch.allclose(one, exact, rtol=1e-3, atol=1e-3), (size, step)
-            elif kind == "int8" and size:  # each slice its own scale: within a 127th of its largest value
+            elif kind == "int8" and size:  # each block its own scale: within a 127th of the largest value
                 assert (one - exact).abs().max() <= exact.abs().max() / 127 * 2, (size, step)
 
 

@@ -116,6 +116,21 @@ def test_int8_sends_each_element_to_a_254th_of_its_blocks_largest_and_keeps_the_
         assert float(sent[block].abs().max()) == pytest.approx(127 * scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_int8_error_feedback_is_exact_over_blocks_and_parts_up_to_float32s_largest(dtype: torch.dtype) -> None:
+    """sent + residual is the total exactly, over several parts of several blocks each, float32's largest
+    value included (its block's scale is capped so that 127 codes stay finite: the rest waits)."""
+    config, generator = GradientCompression("int8"), torch.Generator().manual_seed(2)
+    sizes = [130, 1, 64, 200]
+    parts = [torch.randn(size, generator=generator, dtype=dtype) * 10.0 ** torch.randint(-6, 6, (size,), generator=generator)
+             for size in sizes]  # fmt: skip
+    parts[3][5] = torch.finfo(torch.float32).max
+    totals = [part.clone() for part in parts]
+    sent = decode_parts(config, encode_parts(config, totals), sizes, dtype)
+    assert sent.isfinite().all()
+    assert torch.equal(sent + torch.cat(totals), torch.cat(parts))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_int8_of_zeros_and_of_a_value_that_is_not_finite(bad: float) -> None:
     config = GradientCompression("int8")
@@ -192,6 +207,9 @@ def _frames(code: int, threshold: float, data: bytes) -> list[memoryview]:
         (_frames(KINDS["int8"], 0.0, struct.pack("<f", 1.0) + b"\x01\x80"), torch.float32, 2, "code -128"),
         (_frames(KINDS["int8"], 0.0, struct.pack("<f", 1.0) + b"\x01" * 65), torch.float32, 65, "carry 69 bytes, not 73"),
         (_frames(KINDS["int8"], 0.0, struct.pack("<2f", 1.0, -2.0) + b"\x01" * 65), torch.float32, 65, "scale -2.0"),
+        (_frames(KINDS["int8"], 0.0, struct.pack("<2f", 1.0, float("inf")) + b"\x01" * 65), torch.float32, 65, "scale inf"),
+        (_frames(KINDS["int8"], 0.0, struct.pack("<f", -0.0) + b"\x00"), torch.float32, 1, "scale -0.0"),
+        (_frames(KINDS["int8"], 0.0, struct.pack("<2f", 1.0, 1.0) + b"\x01" * 64 + b"\x80"), torch.float32, 65, "code -128"),
     ],
 )
 def test_malformed_frames_are_rejected_with_the_reason(
