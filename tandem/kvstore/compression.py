@@ -278,8 +278,8 @@ def decode_tensor(config: GradientCompression, data: torch.Tensor | None, dtype:
 
 INT8_SCALE_BYTES = 4  # an int8 message starts with its blocks' float32 scales
 INT8_BLOCK = 64  # elements per scale: an outlier coarsens its own block only, for 1/16 more bytes
-# the largest scale whose 127 codes stay finite in float32 (float32's largest / 127 rounds up): larger
-# blocks keep the rest in the residual
+# the largest scale whose code 127 stays finite in float32 (float32's largest / 127 rounds up): of a
+# block with larger values the residual keeps what 127 x this scale leaves out
 INT8_MAX_SCALE = float(torch.nextafter(torch.tensor(_FLOAT32_MAX / 127, dtype=torch.float32), torch.tensor(0.0)))
 
 
