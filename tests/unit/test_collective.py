@@ -86,26 +86,29 @@ def test_push_then_pull_and_lists_of_keys() -> None:
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16", "2bit:0.5", "int8"])
 def test_compressed_sums_are_the_same_everywhere_and_feed_back_errors(kind: str) -> None:
-    """Every worker gets the same sum of the compressed pushes; what a push left out comes in later ones."""
+    """Every worker gets the same sum of the compressed pushes; what a push left out comes in later ones.
+    A float64 key too: its 16-bit sums widen into float64 targets, its codes decode to float64."""
 
-    def work(kv: CollectiveKVStore) -> list[torch.Tensor]:
+    def work(kv: CollectiveKVStore) -> list[list[torch.Tensor]]:
         kv.set_gradient_compression(kind)
-        kv.init("g", torch.zeros(30))
+        kv.init(["g", "h"], [torch.zeros(30), torch.zeros(30, dtype=torch.float64)])
         grad = torch.linspace(-1, 1, 30) * (kv.rank + 1) * 0.2  # under 2bit's threshold: it keeps up
         sums = []
         for _ in range(8):
-            out = torch.empty(30)
-            kv.pushpull("g", grad, out=out).wait(timeout=30)
-            sums.append(out)
+            outs = [torch.empty(30), torch.empty(30, dtype=torch.float64)]
+            kv.pushpull(["g", "h"], [grad, grad.double()], out=outs).wait(timeout=30)
+            sums.append(outs)
         return sums
 
     first, second = _each_worker(2, work)
     exact = torch.linspace(-1, 1, 30) * 0.6  # the two workers' gradients summed
     for one, other in zip(first, second):
-        assert torch.equal(one, other)
-    sent = torch.stack(first).mean(0)  # error feedback: on average, what was sent is the gradient
-    # each worker's residual stays under the threshold (2bit) or a rounding error (fp16, bf16)
-    assert (sent - exact).abs().max() <= (2 * 0.5 / 8 if kind.startswith("2bit") else 1e-2), (sent, exact)
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(one, other))
+    for key, dtype in enumerate((torch.float32, torch.float64)):
+        sent = torch.stack([sums[key] for sums in first]).mean(0)  # error feedback: on average, the gradient
+        assert sent.dtype == dtype
+        # each worker's residual stays under the threshold (2bit) or a rounding error (fp16, bf16)
+        assert (sent - exact.to(dtype)).abs().max() <= (2 * 0.5 / 8 if kind.startswith("2bit") else 1e-2), (sent, exact)
 
 
 @pytest.mark.parametrize("kind", ["fp16", "int8", "2bit:0.5"])
