@@ -318,21 +318,20 @@ def _block_maxima(magnitudes: torch.Tensor, sizes: list[int], blocks: torch.Tens
 def _int8_blocks(sizes: tuple[int, ...]) -> torch.Tensor:
     """The int8 blocks of parts of ``sizes`` elements, as a tensor of their lengths: each part cut into
     blocks of ``INT8_BLOCK`` elements, its last one shorter (an empty part has none)."""
-    if len(sizes) > 1:
-        return _int8_blocks_of_parts(sizes)
-    whole, rest = divmod(sizes[0], INT8_BLOCK)  # one part: not cached (a peer may send any size)
-    tail = torch.tensor([rest] if rest else [], dtype=torch.int64)
-    return torch.cat([torch.full((whole,), INT8_BLOCK, dtype=torch.int64), tail])
+    return _int8_blocks_of_parts(sizes) if len(sizes) > 1 else _part_blocks(sizes[0])
+
+
+def _part_blocks(size: int) -> torch.Tensor:
+    """One part's block lengths; not cached (a peer may send any size)."""
+    whole, rest = divmod(size, INT8_BLOCK)
+    return torch.cat([torch.full((whole,), INT8_BLOCK, dtype=torch.int64), torch.tensor([rest] if rest else [], dtype=torch.int64)])
 
 
 @functools.lru_cache(maxsize=256)
 def _int8_blocks_of_parts(sizes: tuple[int, ...]) -> torch.Tensor:
     """``_int8_blocks`` of several parts (a collective's fused slices): made once per grouping, since a
     step repeats its groupings."""
-    lengths = []
-    for size in sizes:
-        lengths += [INT8_BLOCK] * (size // INT8_BLOCK) + ([size % INT8_BLOCK] if size % INT8_BLOCK else [])
-    return torch.tensor(lengths, dtype=torch.int64)
+    return torch.cat([_part_blocks(size) for size in sizes])
 
 
 def int8_bytes(numel: int) -> int:
