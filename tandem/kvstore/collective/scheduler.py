@@ -61,6 +61,7 @@ from tandem.kvstore.compression import (
     summable,
 )
 from tandem.kvstore.errors import KVStoreError
+from tandem.kvstore.flat import elements
 from tandem.kvstore.ps.p3_queue import LanePriorityQueue
 
 POLL_SECONDS = 0.2  # how often an idle scheduler looks whether it should stop
@@ -84,6 +85,9 @@ class Operation:
     def slices(self) -> list[tuple[int, int]]:
         numel = self.value.numel()
         return [(start, min(start + self.slice_size, numel)) for start in range(0, numel, self.slice_size)]
+
+    def count_slices(self) -> int:
+        return -(-self.value.numel() // self.slice_size)
 
 
 @dataclass(eq=False)
@@ -279,13 +283,13 @@ class Scheduler:
                 finish = _Decode(unit, compression, gathered)
         elif len(unit) == 1:
             operation = first.operation
-            target = operation.target[first.start : first.stop]
+            target = elements(operation.target, first.start, first.stop)
             if not _same_memory(operation.target, operation.value):  # pushpull without out: sums in place
-                target.copy_(operation.value[first.start : first.stop])
+                target.copy_(elements(operation.value, first.start, first.stop))
             work = self.data.allreduce([target])
             finish = _nothing
         else:
-            fused = torch.cat([part.operation.value[part.start : part.stop] for part in unit])  # copied: summed in place
+            fused = torch.cat([elements(part.operation.value, part.start, part.stop) for part in unit])  # copied: summed in place
             work = self.data.allreduce([fused])
             finish = _Unfuse(unit, fused)
         cuda = first.operation.target.is_cuda
@@ -445,7 +449,7 @@ class _Unfuse:
         self.unit, self.fused = unit, fused
 
     def __call__(self) -> None:
-        targets = [part.operation.target[part.start : part.stop] for part in self.unit]
+        targets = [elements(part.operation.target, part.start, part.stop) for part in self.unit]
         torch._foreach_copy_(targets, list(self.fused.split([target.numel() for target in targets])))  # one op
 
 

@@ -239,7 +239,7 @@ class CollectiveKVStore(KVStore):
             compression = self._compression if value.dtype in COMPRESSIBLE else None
             operations.append(Operation(index, key, value, target, self.slice_size, priority, self.water_mark,
                                         None, compression, self.ordered))  # type: ignore[arg-type]  # fmt: skip
-        parts = sum(len(operation.slices()) for operation in operations)
+        parts = sum(operation.count_slices() for operation in operations)
         handle = Handle(f"{what} of {_describe([key for key, _ in items])}", parts,
                         (lambda: _copy_out(copies)) if copies else None)  # fmt: skip
         for operation in operations:
@@ -303,7 +303,7 @@ class CollectiveKVStore(KVStore):
             raise RequestRefused(f"{what} of key {key!r}: key was never initialised; call init first "
                                  f"(with the same keys on every worker)")  # fmt: skip
         index, shape, dtype = known
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        if tensor.shape != shape or tensor.dtype != dtype:  # (torch.Size equals the tuple)
             raise RequestRefused(f"{what} of key {key!r}: got shape {tuple(tensor.shape)} {tensor.dtype}, but the "
                                  f"key was initialised as {shape} {dtype}")  # fmt: skip
         return index

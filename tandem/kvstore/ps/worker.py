@@ -25,6 +25,7 @@ from tandem.kvstore.base import Handle, Key, KVStore, Receiver, normalize, reduc
 from tandem.kvstore.compression import COMPRESSIBLE, Compressor, GradientCompression
 from tandem.kvstore.config import DistOptions
 from tandem.kvstore.errors import KVStoreError, KVStoreTimeout, ProtocolError, RequestRefused, second_init
+from tandem.kvstore.flat import elements
 from tandem.kvstore.ps.client import Client, Submission, message_text
 from tandem.kvstore.ps.placement import Placement, RangePlacement, Slice
 from tandem.kvstore.ps.protocol import Command, Header, Message, Role, tensor_bytes, tensor_from_bytes
@@ -96,7 +97,7 @@ class DistKVStore(KVStore):
         if compressed:
             assert self._compressor is not None  # ensured by _compresses
             return self._compressor.encode(key, flat, part.start, part.stop)
-        return [tensor_bytes(_part(flat, part))]
+        return [tensor_bytes(elements(flat, part.start, part.stop))]
 
     def _plan(self, key: Key, numel: int) -> list[Slice]:
         """``placement.plan``, remembered: a plan depends only on the placement, the key and its size."""
@@ -326,12 +327,6 @@ def _lands_directly(target: torch.Tensor) -> bool:
     return target.device.type == "cpu" and target.is_contiguous()
 
 
-def _part(flat: torch.Tensor, part: Slice) -> torch.Tensor:
-    """Elements ``[part.start, part.stop)`` of ``flat``; the tensor itself when the part is all of it."""
-    whole = part.start == 0 and part.stop == flat.numel()
-    return flat if whole else flat[part.start : part.stop]
-
-
 @dataclass
 class _Reply:
     """Completes one slice of a handle; for pulls, ``landing`` lets the receiver take the value in place."""
@@ -343,7 +338,7 @@ class _Reply:
 
     def __post_init__(self) -> None:
         if self.target is not None and self.part.numel:
-            self.landing = tensor_bytes(_part(self.target, self.part))
+            self.landing = tensor_bytes(elements(self.target, self.part.start, self.part.stop))
 
     def __call__(self, message: Message) -> None:
         if self.target is not None and not message.landed:
