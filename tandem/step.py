@@ -22,7 +22,7 @@ from tandem.errors import BatchMismatchError
 from tandem.executor import NO_HOOKS, Executor, GradientHook, MemoryStats, SegmentHook, StepHooks
 from tandem.graph.batch import BatchLayout
 from tandem.graph.capture import LossFn, capture, capture_inference
-from tandem.graph.train_graph import TrainGraph
+from tandem.graph.train_graph import StateReader, TrainGraph
 from tandem.passes.config import PlanConfig
 from tandem.passes.manager import plan as plan_graph
 from tandem.progress import progress_options
@@ -127,6 +127,7 @@ class _Compiled:
     memory: MemoryStats | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # capture_s, plan_s
     capture_cache: str = "off"  # hit (loaded), miss (traced, stored), bypass (traced, not cacheable), off
+    state: StateReader | None = None  # the module's parameters and buffers, the graph's first inputs
 
 
 @dataclass
@@ -170,7 +171,9 @@ class TrainStep:
         layout, tensors = BatchLayout.of(batch)
         compiled = self._for_batch(batch, layout)
         graph = compiled.graph
-        inputs = graph.inputs(self.module, tensors)
+        if compiled.state is None:
+            compiled.state = StateReader(self.module, graph.param_names, graph.buffer_names)
+        inputs = compiled.state.read() + list(tensors)
         if compiled.memory is None or self.config.measure_memory:
             with _compile_progress(compiled.executor) as progress:
                 outputs, compiled.memory = compiled.executor.run_measured(inputs, hooks, progress)
@@ -319,9 +322,9 @@ class TrainStep:
         grads = dict(zip(graph.grads, outputs[1 : 1 + count]))
         first = len(graph.param_names)  # a mutated buffer is an input: this step's, found without walking the module
         buffers = dict(zip(graph.buffer_names, inputs[first : first + len(graph.buffer_names)]))
-        with torch.no_grad():
-            for name, value in zip(graph.buffer_updates, outputs[1 + count :]):
-                buffers[name].copy_(value)  # BatchNorm running stats: written back like eager
+        if graph.buffer_updates:  # BatchNorm running stats: written back like eager, in one op
+            with torch.no_grad():
+                torch._foreach_copy_([buffers[name] for name in graph.buffer_updates], list(outputs[1 + count : 1 + count + len(graph.buffer_updates)]))
         return StepResult(loss=loss, grads=grads)
 
 

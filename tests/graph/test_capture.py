@@ -116,6 +116,27 @@ def test_tied_parameter_appears_once_under_first_name() -> None:
     assert len(names) == len({id(p) for p in module.parameters()})
 
 
+def test_step_reads_parameters_and_layers_replaced_after_capture() -> None:
+    # a step reads the module's state from owners found once: a reassigned parameter, a replaced
+    # layer are read where they are now, as a walk over the module would find them
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    module[2].weight = nn.Parameter(torch.randn(2, 3))
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    step = tandem.compile(module, lambda m, x, y: F.cross_entropy(m(x), y), x, y)
+    step(x, y)
+    module[0].weight = nn.Parameter(torch.randn(3, 4))  # a new parameter in the same layer
+    module[2] = nn.Linear(3, 2)  # a new layer
+    result = step(x, y)
+    expected = eager_step(module, lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+    torch.testing.assert_close(result.loss, expected[0])
+    for name, grad in result.grads.items():
+        torch.testing.assert_close(grad, expected[1][name], msg=name)
+    module[2].bias = None
+    with pytest.raises(KeyError, match="2.bias"):
+        step(x, y)
+
+
 def test_unused_parameter_has_no_gradient_like_eager() -> None:
     module = nn.ModuleDict({"used": nn.Linear(4, 2), "unused": nn.Linear(4, 2)})
     x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
