@@ -169,8 +169,11 @@ class Scheduler:
                 self._state.pending.append(operations)
                 self._promote()
             self._cond.notify_all()
+        by_handle: dict[int, tuple[Handle, list[Operation]]] = {}  # a call's operations share one handle: one callback
         for operation in operations:
-            operation.handle.add_done_callback(partial(self._forget, operation))
+            by_handle.setdefault(id(operation.handle), (operation.handle, []))[1].append(operation)
+        for handle, done in by_handle.values():
+            handle.add_done_callback(partial(self._forget, done))
 
     def _promote(self) -> None:
         """Calls in rounds at the head of ``pending`` join the rounds (under the lock)."""
@@ -181,9 +184,9 @@ class Scheduler:
                 state.submitted[operation.index] += 1
                 state.waiting[operation.index].append(operation)
 
-    def _forget(self, operation: Operation, handle: Handle) -> None:
+    def _forget(self, operations: list[Operation], handle: Handle) -> None:
         with self._cond:
-            self._live.discard(operation)
+            self._live.difference_update(operations)
 
     # -- the scheduler thread --------------------------------------------------------------------
     def _unagreed(self) -> bool:

@@ -44,6 +44,7 @@ from tandem.kvstore.collective.scheduler import Operation, Scheduler
 from tandem.kvstore.compression import COMPRESSIBLE, GradientCompression
 from tandem.kvstore.config import DistOptions, P3Options
 from tandem.kvstore.errors import KVStoreError, PeerFailure, RequestRefused, second_init
+from tandem.kvstore.flat import flat_view
 from tandem.kvstore.ps.p3_tuner import AutoTuner, Config, start_slice_size, tuner_for
 from tandem.kvstore.ps.topology import connect_store
 
@@ -233,7 +234,7 @@ class CollectiveKVStore(KVStore):
             value = _flat_sum(tensors)
             first = targets[0] if targets else None
             lands = first is not None and first.is_contiguous() and first.device == value.device
-            target = first.view(-1) if lands else torch.empty_like(value)  # type: ignore[union-attr]
+            target = flat_view(first) if lands else torch.empty_like(value)  # type: ignore[arg-type]
             copies += [(target, other) for other in targets[1 if lands else 0 :]]
             self._latest[key] = target
             compression = self._compression if value.dtype in COMPRESSIBLE else None
@@ -412,7 +413,7 @@ def _check_same(mine: list[Any], everyone: list[list[Any]]) -> None:
 
 def _flat_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The sum of per-device values, flat (a view of a single contiguous value: no copy)."""
-    total = tensors[0].detach().reshape(-1)
+    total = flat_view(tensors[0])
     for tensor in tensors[1:]:
         total = total + tensor.detach().reshape(-1).to(total.device)
     return total
