@@ -168,34 +168,37 @@ class StateReader:
     resnet's step ~0.1 ms): each name's owning submodule is found once, and read again only after a
     check that every submodule on the way is still where it was (a replaced layer is followed)."""
 
-    __slots__ = ("module", "param_names", "buffer_names", "_path", "_slots")
+    __slots__ = ("module", "param_names", "buffer_names", "_resolved")
 
     def __init__(self, module: torch.nn.Module, param_names: Sequence[str], buffer_names: Sequence[str]) -> None:
         self.module, self.param_names, self.buffer_names = module, list(param_names), list(buffer_names)
-        self._resolve()
+        self._resolved = self._resolve()
 
-    def _resolve(self) -> None:
-        path: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.nn.Module]] = {}  # every (parent, name, child) used
+    def _resolve(self) -> tuple[list[tuple[torch.nn.Module, str, torch.nn.Module]], list[tuple[dict[str, Any], str]]] | None:
+        """(every (parent, name, child) on the names' paths, each name's table and key); None where a
+        submodule on a path is gone (the walk then names what is missing)."""
+        path: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.nn.Module]] = {}
         slots: list[tuple[dict[str, Any], str]] = []
         for names, table in ((self.param_names, "_parameters"), (self.buffer_names, "_buffers")):
             for name in names:
                 owner = self.module
                 *prefix, attribute = name.split(".")
                 for part in prefix:
-                    child = owner._modules[part]
-                    assert child is not None
+                    child = owner._modules.get(part)
+                    if child is None:
+                        return None
                     path[(id(owner), part)] = (owner, part, child)
                     owner = child
                 slots.append((getattr(owner, table), attribute))
-        self._path, self._slots = list(path.values()), slots
+        return list(path.values()), slots
 
     def read(self) -> list[torch.Tensor]:
-        if not all(parent._modules.get(name) is child for parent, name, child in self._path):
-            self._resolve()  # a submodule was replaced since: find the names' owners again
-        try:
-            values = [table[attribute] for table, attribute in self._slots]
-        except KeyError:  # a parameter or buffer was deleted: the walk names it
+        resolved = self._resolved  # one load: another thread may swap in a new resolution
+        if resolved is None or not all(parent._modules.get(name) is child for parent, name, child in resolved[0]):
+            resolved = self._resolved = self._resolve()  # a submodule was replaced since: find the owners again
+        if resolved is None:
             return module_state(self.module, self.param_names, self.buffer_names)
-        if any(value is None for value in values):
+        values = [table.get(attribute) for table, attribute in resolved[1]]
+        if any(value is None for value in values):  # deleted, or set to None: the walk names it
             return module_state(self.module, self.param_names, self.buffer_names)
         return values  # type: ignore[return-value]  # None was refused above

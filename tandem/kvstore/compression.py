@@ -347,11 +347,17 @@ def _lengths(size: int) -> list[int]:
 
 def _int8_blocks(sizes: tuple[int, ...]) -> _Int8Blocks:
     """The int8 blocks of parts of ``sizes``: one part's made each time (a peer may send any size, and
-    they are cheap); several parts' cached, since a step repeats its collectives' groupings."""
-    return _Int8Blocks(sizes) if len(sizes) == 1 else _int8_blocks_of_parts(sizes)
+    they are cheap); several parts' cached, since a step repeats its collectives' groupings, up to
+    ``_CACHED_ELEMENTS`` elements (each entry holds an int64 per element)."""
+    if len(sizes) == 1 or sum(sizes) > _CACHED_ELEMENTS:
+        return _Int8Blocks(sizes)
+    return _int8_blocks_of_parts(sizes)
 
 
-@functools.lru_cache(maxsize=32)  # each holds an int64 per element: a few steps' groupings, not every tuner trial's
+_CACHED_ELEMENTS = 1 << 20  # 8 MiB of block indices per cache entry at most
+
+
+@functools.lru_cache(maxsize=16)  # a step's groupings, at 128 MiB at most (not every tuner trial's)
 def _int8_blocks_of_parts(sizes: tuple[int, ...]) -> _Int8Blocks:
     return _Int8Blocks(sizes)
 

@@ -12,7 +12,7 @@ def elements(flat: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as one dimension, detached: itself where it already is (a bias, a norm's weight: two
-    torch calls saved per key and step), else a view where it is contiguous, else a copy."""
+    torch calls saved per key and step), else ``reshape``'s view where one exists, else a copy."""
     if tensor.dim() == 1 and not tensor.requires_grad and tensor.is_contiguous():
         return tensor
     return tensor.detach().reshape(-1)

@@ -57,6 +57,17 @@ def test_trainer_accepts_a_torch_optimizer() -> None:
         torch.testing.assert_close(ours, theirs)
 
 
+def test_step_trains_every_submodule_even_one_added_later_in_eval_mode() -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    trainer = tandem.Trainer(module, lambda m, x, y: F.cross_entropy(m(x), y), optim.SGD(lr=0.1), progress=False)
+    module.append(torch.nn.Dropout(0.5).eval())
+    trainer.step(torch.randn(8, 4), torch.randint(0, 4, (8,)))
+    assert all(submodule.training for submodule in module.modules())
+    module.eval()
+    trainer.step(torch.randn(8, 4), torch.randint(0, 4, (8,)))
+    assert all(submodule.training for submodule in module.modules())
+
+
 def test_clip_grad_norm_matches_torch() -> None:
     module, loss_fn, batch = zoo_case("mlp")
     reference = copy.deepcopy(module)

@@ -18,6 +18,7 @@ from tandem.kvstore.collective.scheduler import Operation, Scheduler
 from tandem.kvstore.collective.store import CollectiveKVStore
 from tandem.kvstore.config import DistOptions, KVStoreConfig, P3Options
 from tandem.kvstore.errors import KVStoreError
+from tandem.kvstore.flat import elements, flat_view
 
 _JOBS = itertools.count()
 
@@ -65,6 +66,21 @@ def test_odd_slices_reassemble_exactly() -> None:
         for step, values in enumerate(result):
             for size, value in zip(SIZES, values):
                 assert torch.equal(value, _value(size, 0, step) + _value(size, 1, step)), (size, step)
+
+
+def test_flat_pieces_are_the_tensor_or_a_view_and_never_track_gradients() -> None:
+    bias = torch.zeros(5)
+    assert flat_view(bias) is bias and elements(bias, 0, 5) is bias
+    assert elements(bias, 1, 3).data_ptr() == bias[1:].data_ptr() and elements(bias, 1, 3).numel() == 2
+    weight = torch.zeros(2, 3, requires_grad=True)
+    flat = flat_view(weight)
+    assert flat.shape == (6,) and not flat.requires_grad and flat.data_ptr() == weight.data_ptr()
+    leaf = torch.zeros(4, requires_grad=True)
+    assert flat_view(leaf) is not leaf and not flat_view(leaf).requires_grad
+    strided = torch.arange(8.0).view(4, 2)[:, 0]  # 1-D but not contiguous: a strided view, in order
+    assert flat_view(strided).data_ptr() == strided.data_ptr() and torch.equal(flat_view(strided), strided)
+    transposed = torch.arange(6.0).view(2, 3).t()  # no flat view exists: a copy, in order
+    assert torch.equal(flat_view(transposed), transposed.reshape(-1)) and flat_view(transposed).is_contiguous()
 
 
 def _value(size: int, rank: int, step: int) -> torch.Tensor:
