@@ -135,6 +135,25 @@ def test_step_reads_parameters_and_layers_replaced_after_capture() -> None:
     module[2].bias = None
     with pytest.raises(KeyError, match="2.bias"):
         step(x, y)
+    module[2] = None  # a layer gone: named as the walk names it
+    with pytest.raises(KeyError, match="2.weight"):
+        step(x, y)
+
+
+def test_capture_leaves_the_programs_garbage_collector_as_it_was() -> None:
+    # capture freezes the older objects so that collections skip them, and unfreezes them after;
+    # a program's own freeze (before a fork, say) is left alone
+    import gc
+
+    module, loss_fn, batch = zoo_case("mlp")
+    tandem.compile(module, loss_fn, *batch)(*batch)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.freeze()
+    try:
+        tandem.compile(module, loss_fn, *batch)(*batch)
+        assert gc.get_freeze_count() > 0, "the program's frozen objects stay frozen"
+    finally:
+        gc.unfreeze()
 
 
 def test_unused_parameter_has_no_gradient_like_eager() -> None:
