@@ -27,7 +27,8 @@ Timing: each worker's clock starts just before its first training step, after pr
 the process group / kvstore rendezvous and model construction; it includes the first step (where
 tandem captures and plans the step: the column "first step s" shows what it cost). Every
 ``--eval-every`` steps both workers drain outstanding communication (``Trainer.sync``; timed), then
-stop their clocks, evaluate on the whole held-out split (untimed) and start them again. Time to target
+stop their clocks, evaluate on the whole held-out split, wait for each other (both untimed) and
+start them again. Time to target
 is rank 0's clock at the first evaluation reaching ``--target``; training goes on to ``--steps``
 steps in every mode, and the final metric is the last evaluation's. The goal is judged on the
 time to target less the first step (capture is paid once per run, whatever its length; DDP's first
@@ -179,8 +180,10 @@ def _evaluate_eager(task: str, module: Any, held_out: Any) -> float:
     return value
 
 
-def _train(rank: int, step: Any, drain: Any, evaluate: Any, args: dict[str, Any]) -> None:
-    """The timed loop every mode shares; rank 0 reports its curve."""
+def _train(rank: int, step: Any, drain: Any, evaluate: Any, rejoin: Any, args: dict[str, Any]) -> None:
+    """The timed loop every mode shares; rank 0 reports its curve. ``rejoin()`` waits for every
+    worker, after an evaluation: one that took longer (tandem's first captures its graph) would
+    otherwise hold the others' next step back, inside their clocks."""
     task = TASKS[args["task"]]
     train, _ = _data(task.name)
     batches = _batches(task.name, train, rank, args["workers"], args["batch"], args["seed"])
@@ -200,6 +203,7 @@ def _train(rank: int, step: Any, drain: Any, evaluate: Any, args: dict[str, Any]
             elapsed += time.perf_counter() - start
             cpu += time.process_time() - cpu_start
             curve.append((number, elapsed, evaluate()))
+            rejoin()
             start, cpu_start = time.perf_counter(), time.process_time()
     if rank == 0:
         hits = [(number, seconds) for number, seconds, value in curve if task.reached(value, args["target"])]
@@ -229,7 +233,7 @@ def tandem_job(mode: str, args: dict[str, Any]) -> None:
     def evaluate() -> float:
         return float(trainer.evaluate(held_out)["loss" if task == "text" else "accuracy"])
 
-    _train(trainer.kvstore.rank, trainer.step, trainer.sync, evaluate, args)
+    _train(trainer.kvstore.rank, trainer.step, trainer.sync, evaluate, trainer.kvstore.barrier, args)
     trainer.close()
 
 
@@ -253,7 +257,7 @@ def ddp_job(mode: str, rank: int, master: str, port: int, args: dict[str, Any]) 
         loss_fn(wrapped, *batch).backward()
         optimizer.step()
 
-    _train(rank, step, lambda: None, lambda: _evaluate_eager(task, module, held_out), args)
+    _train(rank, step, lambda: None, lambda: _evaluate_eager(task, module, held_out), dist.barrier, args)
     dist.barrier()  # neither rank tears its connections down while the other still uses them
     dist.destroy_process_group()
 
