@@ -125,10 +125,10 @@ class StepResult:
 class _Compiled:
     graph: TrainGraph
     executor: Executor
+    state: StateReader  # the module's parameters and buffers, the graph's first inputs
     memory: MemoryStats | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # capture_s, plan_s
     capture_cache: str = "off"  # hit (loaded), miss (traced, stored), bypass (traced, not cacheable), off
-    state: StateReader | None = None  # the module's parameters and buffers, the graph's first inputs
 
 
 @dataclass
@@ -172,8 +172,6 @@ class TrainStep:
         layout, tensors = BatchLayout.of(batch)
         compiled = self._for_batch(batch, layout)
         graph = compiled.graph
-        if compiled.state is None:
-            compiled.state = StateReader(self.module, graph.param_names, graph.buffer_names)
         inputs = compiled.state.read() + list(tensors)
         if compiled.memory is None or self.config.measure_memory:
             with _compile_progress(compiled.executor) as progress:
@@ -310,7 +308,8 @@ class TrainStep:
         graph = plan_graph(traced, self.config.plan)
         executor = Executor(graph, self.config.plan.backend)
         executor.hooks, executor.segment_hooks = self._hooks, self._segment_hooks
-        compiled = self._compiled[key] = _Compiled(graph, executor)
+        state = StateReader(self.module, graph.param_names, graph.buffer_names)
+        compiled = self._compiled[key] = _Compiled(graph, executor, state)
         compiled.seconds = {"capture_s": captured - start, "plan_s": time.perf_counter() - captured}
         compiled.capture_cache = traced.notes.get("capture_cache", "off")
         return compiled

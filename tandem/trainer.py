@@ -771,9 +771,9 @@ def _targets(batch: tuple[Any, ...]) -> torch.Tensor | None:
     return last if isinstance(last, torch.Tensor) and last.dtype in _INTEGER_DTYPES else None
 
 
-__all__ = ["Trainer", "TrainerConfig", "StepResult"]
-
-
 def _all_training(module: nn.Module) -> bool:
     """Whether ``module`` and every submodule are in training mode (as ``train()`` would leave them)."""
     return module.training and all(child is None or _all_training(child) for child in module._modules.values())
+
+
+__all__ = ["Trainer", "TrainerConfig", "StepResult"]

@@ -313,7 +313,7 @@ class _Int8Blocks:
     __slots__ = ("count", "numel", "_whole", "_block_of_element")
 
     def __init__(self, sizes: tuple[int, ...]) -> None:
-        self.count = sum(-(-size // INT8_BLOCK) for size in sizes)
+        self.count = sum(_block_count(size) for size in sizes)
         self.numel = sum(sizes)
         # one part: its whole blocks are a view (a parameter-server push, up to millions of elements);
         # several (a collective's fused slices): each element's block, for one gather
@@ -340,6 +340,10 @@ class _Int8Blocks:
         return spread if whole == self.numel else torch.cat([spread, values[full:].expand(self.numel - whole)])
 
 
+def _block_count(size: int) -> int:
+    return -(-size // INT8_BLOCK)  # the last block shorter
+
+
 def _lengths(size: int) -> list[int]:
     whole, rest = divmod(size, INT8_BLOCK)
     return [INT8_BLOCK] * whole + ([rest] if rest else [])
@@ -364,7 +368,7 @@ def _int8_blocks_of_parts(sizes: tuple[int, ...]) -> _Int8Blocks:
 
 def int8_bytes(numel: int) -> int:
     """Bytes of one part of ``numel`` elements in int8: a float32 scale per block, a byte per element."""
-    return INT8_SCALE_BYTES * -(-numel // INT8_BLOCK) + numel
+    return INT8_SCALE_BYTES * _block_count(numel) + numel
 
 
 def _decode_int8(data: torch.Tensor, sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

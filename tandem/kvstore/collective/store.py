@@ -415,7 +415,7 @@ def _flat_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The sum of per-device values, flat (a view of a single contiguous value: no copy)."""
     total = flat_view(tensors[0])
     for tensor in tensors[1:]:
-        total = total + tensor.detach().reshape(-1).to(total.device)
+        total = total + flat_view(tensor).to(total.device)
     return total
 
 
