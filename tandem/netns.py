@@ -47,6 +47,7 @@ NAME_PREFIX = "tandem-"
 SUBNET_PREFIX = "10.231"  # private range unlikely to clash with real networks
 LOCK_PATH = "/tmp/tandem-netns.lock"  # serialises subnet choice between concurrent processes
 COMMAND_TIMEOUT = 20.0
+MIN_BURST_BYTES = 8192  # a shaped link's token bucket: never under a few 1514-byte frames
 _NAMESPACE = re.compile(rf"^{NAME_PREFIX}(\d+)-\d+-")
 _ROOT_LINK = re.compile(r"^td([0-9a-f]+)n\d+$")
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)?\s*$", re.IGNORECASE)
@@ -276,8 +277,10 @@ class Network:
     def _shape(self, namespace: str, device: str) -> None:
         rate = self.rate_bits
         assert rate is not None
-        # burst: 2 ms at the rate, at least two 64 KiB GSO packets (tbf must hold a whole packet)
-        burst = max(131_072, rate // 8 // 500)
+        # burst: 2 ms at the rate, at least a few full-size frames. tbf cuts a GSO packet larger than
+        # the bucket into frames itself, so the bucket need not hold one: a 128 KiB floor (10 ms at
+        # 100 Mbit/s) let a small step's whole exchange through at memory speed, as no real link does
+        burst = max(MIN_BURST_BYTES, rate // 8 // 500)
         _run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
               "rate", f"{rate}bit", "burst", str(burst), "latency", "50ms"])  # fmt: skip
 

@@ -37,6 +37,39 @@ def test_rate_limits_both_directions_and_unshaped_is_much_faster() -> None:
     assert unshaped > 3 * RATE, f"unshaped {unshaped / 1e6:.1f} Mbit/s is not well above the shaped rate"
 
 
+BURST_SCRIPT = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], 45720))
+server.settimeout(30)
+print("ready", flush=True)
+connection, _ = server.accept()
+connection.settimeout(30)
+received, first = 0, None
+while received < int(sys.argv[2]):
+    received += len(connection.recv(1 << 20))
+    first = first if first is not None else time.perf_counter()
+print(time.perf_counter() - first, flush=True)
+"""
+
+
+def test_a_message_smaller_than_a_step_is_not_let_through_at_memory_speed() -> None:
+    # 200 KB at 10 Mbit/s is 160 ms of wire: a token bucket that held 128 KiB (as tbf's once did)
+    # delivered it in about 60 ms; a real link of this rate cannot be faster than its wire time
+    size, rate = 200_000, 10_000_000
+    with netns.Network(num_hosts=2, rate="10mbit") as net:
+        receiver = subprocess.Popen(net.hosts[0].command([sys.executable, "-c", BURST_SCRIPT, net.hosts[0].address,
+                                                          str(size)]), stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert receiver.stdout is not None and receiver.stdout.readline().strip() == "ready"
+            send = f"import socket; socket.create_connection(('{net.hosts[0].address}', 45720)).sendall(bytes({size}))"
+            subprocess.run(net.hosts[1].command([sys.executable, "-c", send]), check=True, timeout=30)
+            seconds = float(receiver.communicate(timeout=30)[0])
+        finally:
+            receiver.kill()
+    wire = size * 8 / rate
+    assert seconds > 0.75 * wire, f"{size} bytes crossed a 10 Mbit/s link in {seconds * 1e3:.0f} ms, under its wire time"
+
+
 def test_root_namespace_is_reachable_from_hosts() -> None:
     with netns.Network(num_hosts=1, rate="100mbit") as net:
         assert netns.throughput(net.hosts[0], net.root, seconds=0.3) > 0
