@@ -85,10 +85,11 @@ MARK = "P3BENCH "
 # ---- what each process runs --------------------------------------------------------------------
 
 
-def split_mode(mode: str) -> tuple[str, str]:
-    """``"collective-p3-auto@inductor"`` -> ``("collective-p3-auto", "inductor")``; no suffix: aten (DDP: eager)."""
+def split_mode(mode: str, default: str = "aten") -> tuple[str, str]:
+    """``"collective-p3-auto@inductor"`` -> ``("collective-p3-auto", "inductor")``; no suffix: ``default``
+    (aten: DDP eager)."""
     base, at, backend = mode.partition("@")
-    return base, backend if at else "aten"
+    return base, backend if at else default
 
 
 def mode_argument(text: str) -> str:

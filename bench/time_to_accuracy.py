@@ -16,6 +16,10 @@ to the link rate (as bench/p3.py). Modes:
 - ddp, ddp+fp16, ddp+powersgd: torch DistributedDataParallel over gloo, plain and with its
   communication hooks (bench/p3.py's ``ddp_wrap``: fp16_compress_hook; powerSGD_hook, rank 2,
   vanilla all-reduce for the first 2 steps).
+Any mode may carry ``@inductor`` (``collective-baseline+int8@inductor``, ``ddp+fp16@inductor``):
+tandem's modes then run the inductor segment backend, DDP's ``torch.compile(DDP(model))``; the
+goal's "DDP's best" is the best DDP mode of the run, eager or compiled (``--backend inductor`` gives
+every mode without a suffix that backend).
 The same everywhere: initial weights and sample order (seed 0; ``--seeds N`` runs every mode with
 seeds 0..N-1, round-robin over the modes, and reports medians), global batch (``--batch``, split evenly over the
 workers), the order of the samples (one permutation per epoch, each global batch cut into one
@@ -55,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import OUT, command_line, markdown_table, write_report  # noqa: E402
-from bench.p3 import DDP_MODES, KINDS  # noqa: E402  (the mode -> kvstore kind map every bench shares)
+from bench.p3 import DDP_MODES, KINDS, split_mode  # noqa: E402  (the mode -> kvstore kind map every bench shares)
 
 TANDEM_MODES = ("baseline", "overlap", "p3", "collective-p3")
 COMPRESSIONS = ("fp16", "2bit")  # the default table's; --compressions may add int8 and bf16
@@ -219,7 +223,8 @@ def tandem_job(mode: str, args: dict[str, Any]) -> None:
     from tandem import kvstore
     from tandem.trainer import Trainer
 
-    base, _, compression = mode.partition("+")
+    name, backend = split_mode(mode, args.get("backend", "aten"))
+    base, _, compression = name.partition("+")
     if kvstore.is_server():
         sys.exit(kvstore.serve(KINDS[base]))
     torch.set_num_threads(1)
@@ -227,7 +232,7 @@ def tandem_job(mode: str, args: dict[str, Any]) -> None:
     module, loss_fn = _model(task, args["seed"])
     trainer = Trainer(module, loss_fn, _optimizers(task, args)[0], kvstore=KINDS[base],
                       communication=base.removeprefix("collective-"), gradient_compression=compression or None,
-                      update_on_kvstore=False, progress=False, backend=args.get("backend", "aten"))  # fmt: skip
+                      update_on_kvstore=False, progress=False, backend=backend)  # fmt: skip
     _, held_out = _data(task)
 
     def evaluate() -> float:
@@ -248,7 +253,8 @@ def ddp_job(mode: str, rank: int, master: str, port: int, args: dict[str, Any]) 
     task = args["task"]
     module, loss_fn = _model(task, args["seed"])
     # with backend inductor, the like-for-like peer: DDP under torch.compile
-    wrapped = ddp_wrap(module, mode.partition("+")[2], args.get("backend", "aten"))
+    name, backend = split_mode(mode, args.get("backend", "aten"))
+    wrapped = ddp_wrap(module, name.partition("+")[2], backend)
     optimizer = _optimizers(task, args)[1](wrapped.parameters())
     _, held_out = _data(task)
 
@@ -280,7 +286,8 @@ def run_mode(mode: str, rate: str, workers: int, job: dict[str, Any]) -> dict[st
     from tandem import netns
 
     encoded, what = json.dumps(job), f"{mode} at {rate}"
-    if mode.partition("+")[0] == "ddp":
+    base = split_mode(mode)[0].partition("+")[0]
+    if base == "ddp":
         with netns.Network(num_hosts=workers, rate=None if rate == "none" else rate) as net:
             master = net.hosts[0].address
             gloo = {"GLOO_SOCKET_IFNAME": "eth0"} if net.isolated else {}
@@ -294,7 +301,6 @@ def run_mode(mode: str, rate: str, workers: int, job: dict[str, Any]) -> dict[st
         if any(process.returncode for process in processes) and MARK not in output:
             raise RuntimeError(f"{what} failed:\n{output[-4000:]}")
         return _report(output, what)
-    base = mode.partition("+")[0]
     shaping = [] if rate == "none" else ["--netns-rate", rate]
     servers = 0 if KINDS[base] == "collective" else SERVERS
     command = [sys.executable, "-m", "tandem.launch", "-n", str(workers), "-s", str(servers), *shaping, "--",
@@ -435,7 +441,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1,
                         help="runs per mode, seeds 0..N-1 (initial weights and sample order), medians reported")
     parser.add_argument("--backend", default="aten", choices=["aten", "inductor"],
-                        help="tandem's backend; with inductor the DDP modes run under torch.compile too")
+                        help="tandem's backend; with inductor the DDP modes run under torch.compile too (a "
+                             "mode's own @inductor suffix picks it for that mode alone)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report and plot from bench/out/time_to_accuracy_<task>_raw.json")
     parser.add_argument("--quick", action="store_true",

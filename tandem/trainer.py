@@ -75,10 +75,11 @@ class TrainerConfig:
         if self.store.distributed and self.communication != "baseline" and self.step.bulk_cut_gradient is None:
             # a large layer's gradient leaves as the op that finishes it ends, not with its segment's others
             self.step = dataclasses.replace(self.step, bulk_cut_gradient=distributed_gradient_cut(None))
-        if self.store.distributed and self.step.plan.backend == "inductor" and self.step.bulk_fwd is None \
-                and self.step.bulk_bwd is None:
+        if self.store.distributed and self.communication != "baseline" and self.step.plan.backend == "inductor" \
+                and self.step.bulk_fwd is None and self.step.bulk_bwd is None:
             # each gradient is sent as its backward segment ends and (P3) each forward segment starts
-            # when its parameters are back: compiled segments keep the aten caps' boundaries
+            # when its parameters are back: compiled segments keep the aten caps' boundaries (baseline
+            # exchanges after backward and waits before forward, so its units merge as on one machine)
             caps = resolve_caps(self.step.bulk, None, None)
             self.step = dataclasses.replace(self.step, bulk_fwd=caps.forward, bulk_bwd=caps.backward)
         if self.communication not in ("auto", *MODES):
