@@ -179,3 +179,17 @@ def test_a_distributed_trainer_cuts_after_large_gradients_unless_told(monkeypatc
     assert TrainerConfig(kvstore="collective", step=StepConfig(bulk_cut_gradient=0)).step.plan.gradient_cut == 0
     monkeypatch.setenv("TANDEM_BULK_CUT_GRADIENT", "1000")
     assert TrainerConfig(kvstore="dist_sync").step.plan.gradient_cut == 1000
+
+
+def test_a_distributed_trainer_keeps_aten_boundaries_under_inductor_only_where_hooks_need_them() -> None:
+    from tandem.step import StepConfig
+    from tandem.trainer import TrainerConfig
+
+    caps = resolve_caps(None, None, None)
+    inductor = StepConfig(backend="inductor")
+    for communication in ("overlap", "p3"):  # each gradient leaves as its segment ends: the caps stay
+        step = TrainerConfig(kvstore="collective", communication=communication, step=inductor).step
+        assert (step.bulk_fwd, step.bulk_bwd) == (caps.forward, caps.backward), communication
+    step = TrainerConfig(kvstore="collective", communication="baseline", step=inductor).step
+    assert (step.bulk_fwd, step.bulk_bwd) == (None, None)  # exchanged after backward: units merge as alone
+    assert TrainerConfig(step=inductor).step.bulk_fwd is None  # training alone
