@@ -37,35 +37,48 @@ def test_rate_limits_both_directions_and_unshaped_is_much_faster() -> None:
     assert unshaped > 3 * RATE, f"unshaped {unshaped / 1e6:.1f} Mbit/s is not well above the shaped rate"
 
 
-BURST_SCRIPT = """
-import socket, sys, time
+RECEIVE_SCRIPT = """
+import socket, sys
 server = socket.create_server((sys.argv[1], 45720))
 server.settimeout(30)
 print("ready", flush=True)
 connection, _ = server.accept()
 connection.settimeout(30)
-received, first = 0, None
+received = 0
 while received < int(sys.argv[2]):
-    received += len(connection.recv(1 << 20))
-    first = first if first is not None else time.perf_counter()
-print(time.perf_counter() - first, flush=True)
+    chunk = connection.recv(1 << 20)
+    if not chunk:
+        break
+    received += len(chunk)
+connection.sendall(b"!")  # all here: the sender's clock stops
+"""
+SEND_SCRIPT = """
+import socket, sys, time
+start = time.perf_counter()
+connection = socket.create_connection((sys.argv[1], 45720), timeout=30)
+connection.sendall(bytes(int(sys.argv[2])))
+assert connection.recv(1) == b"!"
+print(time.perf_counter() - start, flush=True)
 """
 
 
 def test_a_message_smaller_than_a_step_is_not_let_through_at_memory_speed() -> None:
     # 200 KB at 10 Mbit/s is 160 ms of wire: a token bucket that held 128 KiB (as tbf's once did)
-    # delivered it in about 60 ms; a real link of this rate cannot be faster than its wire time
+    # delivered it in about 60 ms. Timed by the sender, from connecting to the receiver's reply, so
+    # a loaded machine can only make it slower: no real link of this rate delivers it faster
     size, rate = 200_000, 10_000_000
     with netns.Network(num_hosts=2, rate="10mbit") as net:
-        receiver = subprocess.Popen(net.hosts[0].command([sys.executable, "-c", BURST_SCRIPT, net.hosts[0].address,
-                                                          str(size)]), stdout=subprocess.PIPE, text=True)  # fmt: skip
+        address = net.hosts[0].address
+        receiver = subprocess.Popen(net.hosts[0].command([sys.executable, "-c", RECEIVE_SCRIPT, address, str(size)]),
+                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             assert receiver.stdout is not None and receiver.stdout.readline().strip() == "ready"
-            send = f"import socket; socket.create_connection(('{net.hosts[0].address}', 45720)).sendall(bytes({size}))"
-            subprocess.run(net.hosts[1].command([sys.executable, "-c", send]), check=True, timeout=30)
-            seconds = float(receiver.communicate(timeout=30)[0])
+            sent = subprocess.run(net.hosts[1].command([sys.executable, "-c", SEND_SCRIPT, address, str(size)]),
+                                  check=True, timeout=30, capture_output=True, text=True)  # fmt: skip
+            seconds = float(sent.stdout)
         finally:
             receiver.kill()
+            receiver.wait()
     wire = size * 8 / rate
     assert seconds > 0.75 * wire, f"{size} bytes crossed a 10 Mbit/s link in {seconds * 1e3:.0f} ms, under its wire time"
 

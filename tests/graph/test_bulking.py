@@ -190,6 +190,10 @@ def test_a_distributed_trainer_keeps_aten_boundaries_under_inductor_only_where_h
     for communication in ("overlap", "p3"):  # each gradient leaves as its segment ends: the caps stay
         step = TrainerConfig(kvstore="collective", communication=communication, step=inductor).step
         assert (step.bulk_fwd, step.bulk_bwd) == (caps.forward, caps.backward), communication
-    step = TrainerConfig(kvstore="collective", communication="baseline", step=inductor).step
-    assert (step.bulk_fwd, step.bulk_bwd) == (None, None)  # exchanged after backward: units merge as alone
+    for kind in ("collective", "dist_p3", "dist_sync"):  # "auto": p3 or overlap, never baseline
+        step = TrainerConfig(kvstore=kind, step=inductor).step
+        assert (step.bulk_fwd, step.bulk_bwd) == (caps.forward, caps.backward), kind
+    for kind in ("collective", "dist_sync"):  # exchanged after backward: units merge as alone
+        step = TrainerConfig(kvstore=kind, communication="baseline", step=inductor).step
+        assert (step.bulk_fwd, step.bulk_bwd) == (None, None), kind
     assert TrainerConfig(step=inductor).step.bulk_fwd is None  # training alone
