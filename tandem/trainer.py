@@ -72,14 +72,16 @@ class TrainerConfig:
             raise ValueError(f"unknown kvstore {self.kvstore!r}; choose one of {list(KINDS)} (or None: local)")
         else:  # resolved once, here: a bad kvstore option is refused at Trainer(...), before the job is joined
             self.store = KVStoreConfig.resolve(self.kvstore or "local", **(self.kvstore_options or {}))
-        if self.store.distributed and self.communication != "baseline" and self.step.bulk_cut_gradient is None:
+        # baseline exchanges after backward and waits before forward; the other modes send each
+        # gradient as its backward segment ends and (P3) start each forward segment when its
+        # parameters are back, so where segments end matters to them
+        per_segment = self.store.distributed and self.communication != "baseline"
+        if per_segment and self.step.bulk_cut_gradient is None:
             # a large layer's gradient leaves as the op that finishes it ends, not with its segment's others
             self.step = dataclasses.replace(self.step, bulk_cut_gradient=distributed_gradient_cut(None))
-        if self.store.distributed and self.communication != "baseline" and self.step.plan.backend == "inductor" \
-                and self.step.bulk_fwd is None and self.step.bulk_bwd is None:
-            # each gradient is sent as its backward segment ends and (P3) each forward segment starts
-            # when its parameters are back: compiled segments keep the aten caps' boundaries (baseline
-            # exchanges after backward and waits before forward, so its units merge as on one machine)
+        if per_segment and self.step.plan.backend == "inductor" and self.step.bulk_fwd is None \
+                and self.step.bulk_bwd is None:
+            # compiled segments keep the aten caps' boundaries (baseline's merge as on one machine)
             caps = resolve_caps(self.step.bulk, None, None)
             self.step = dataclasses.replace(self.step, bulk_fwd=caps.forward, bulk_bwd=caps.backward)
         if self.communication not in ("auto", *MODES):
