@@ -94,6 +94,23 @@ def test_baseline_overlap_and_p3_give_the_same_parameters_with_inductor(tmp_path
             torch.testing.assert_close(result[name], value, rtol=1e-9, atol=1e-11, msg=f"{mode} ({kind}) {name}")
 
 
+@pytest.mark.parametrize("kind, servers", [("collective", 0), ("dist_sync", 2)])
+def test_baseline_with_inductor_runs_whole_units_and_equals_one_process(kind: str, servers: int, tmp_path: Path) -> None:
+    """communication="baseline" sends nothing per segment: with backend="inductor" and no caps given,
+    the Trainer compiles one forward and one backward unit, as on one machine, and the workers'
+    parameters equal one process's after 10 steps."""
+    env = {"TANDEM_BACKEND": "inductor"}
+    job = run_job("trainer_modes.py", 2, servers, kind, "baseline", "0", str(tmp_path), "10", "mlp", "trainer",
+                  env=env, timeout=300)  # fmt: skip
+    assert len(worker_lines(job.stdout, "backend inductor")) == 2, job.stdout
+    expected = single_process("mlp", 10)
+    for rank in range(2):
+        assert (tmp_path / f"report{rank}.txt").read_text().split()[0] == "2", "one forward and one backward unit"
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for name, value in expected.items():  # float64: inductor's kernels round like aten's, not bit for bit
+            torch.testing.assert_close(result[name], value.detach(), rtol=1e-9, atol=1e-11, msg=f"rank {rank} {name}")
+
+
 @pytest.mark.parametrize("mode", ["p3-serial", "p3-auto"])
 def test_async_p3_trainer_trains(mode: str, tmp_path: Path) -> None:
     """dist_p3_async under Trainer(communication="p3"): each worker's own tuner (water mark, send timing)

@@ -1,6 +1,7 @@
 """Trainer(kvstore=...) on real processes: each worker trains on its half of every batch.
 
-Usage: trainer_modes.py KIND MODE UPDATE_ON_KVSTORE OUT_DIR STEPS MODEL
+Usage: trainer_modes.py KIND MODE UPDATE_ON_KVSTORE OUT_DIR STEPS MODEL [CAPS]
+(CAPS ``trainer``: the Trainer's own segment caps; else bulk_fwd=3, bulk_bwd=2)
 (MODE ``p3-<timing>``: p3 at that send timing (``after``, ``serial``: gradients held until backward
 ends, as the tuner may choose); ``p3-auto``: the tuner at work, switching often, so the slots move
 between slicings, and the send timing changes, while training)
@@ -20,6 +21,7 @@ import tandem
 from tandem import kvstore, models, optim
 
 kind, mode, update_on_kvstore, out, steps, model_name = sys.argv[1:7]
+caps = {} if sys.argv[7:] == ["trainer"] else {"bulk_fwd": 3, "bulk_bwd": 2}
 mode, _, timing = mode.partition("-")
 torch.manual_seed(0)
 entry = models.ZOO[model_name]
@@ -32,7 +34,7 @@ MOMENTUM = 0.5 if kind.endswith("_async") else 0.9  # 30 async steps at 0.5: los
 if kvstore.is_server():  # a server of the job: serve until it ends
     sys.exit(kvstore.serve(kind))
 trainer = tandem.Trainer(module, entry.loss_fn, optim.SGD(lr=0.1, momentum=MOMENTUM), kvstore=kind, communication=mode,
-                         update_on_kvstore=update_on_kvstore == "1", bulk_fwd=3, bulk_bwd=2)
+                         update_on_kvstore=update_on_kvstore == "1", **caps)
 if timing == "auto":
     tuner = trainer.kvstore.tuner  # type: ignore[union-attr]
     tuner.warmup, tuner.steps_per_trial, tuner.min_trial_seconds = 1, 2, 0.0
