@@ -59,11 +59,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import OUT, command_line, markdown_table, write_report  # noqa: E402
-from bench.p3 import DDP_MODES, KINDS, split_mode  # noqa: E402  (the mode -> kvstore kind map every bench shares)
+from bench.p3 import BACKENDS, DDP_MODES, KINDS, split_mode  # noqa: E402  (the mode -> kvstore kind map every bench shares)
 
 TANDEM_MODES = ("baseline", "overlap", "p3", "collective-p3")
 COMPRESSIONS = ("fp16", "2bit")  # the default table's; --compressions may add int8 and bf16
 COMPRESSION_CHOICES = (*COMPRESSIONS, "int8", "bf16")
+KIND_CHOICES = tuple(kind for kind in KINDS if not kind.endswith("-auto"))  # tuned modes need bench/p3.py's warm-up
 SERVERS = 2
 JOB_TIMEOUT = 900
 MARK = "TTABENCH "
@@ -105,6 +106,19 @@ def all_modes(compressions: tuple[str, ...] | list[str]) -> list[str]:
     """Every tandem mode without and with each compression, then DDP and its hooks."""
     return [*(f"{mode}{suffix}" for mode in TANDEM_MODES for suffix in ("", *(f"+{c}" for c in compressions))),
             *DDP_MODES]  # fmt: skip
+
+
+def mode_argument(text: str) -> str:
+    """argparse's check of a mode: one of ``KIND_CHOICES`` with an optional ``+<compression>``, or one
+    of ``DDP_MODES``; either with an optional ``@<backend>``. Checked before the first job starts."""
+    base, backend = split_mode(text)
+    kind, plus, compression = base.partition("+")
+    known = base in DDP_MODES if kind == "ddp" else kind in KIND_CHOICES and (not plus or compression in COMPRESSION_CHOICES)
+    if not known or backend not in BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {text!r}: one of {', '.join(KIND_CHOICES)} (optionally +{'/+'.join(COMPRESSION_CHOICES)}) or "
+            f"{', '.join(DDP_MODES)}, each optionally with @{'/@'.join(BACKENDS)}")  # fmt: skip
+    return text
 
 
 # ---- what each process runs --------------------------------------------------------------------
@@ -428,7 +442,8 @@ def main() -> None:
                              "validation loss")  # fmt: skip
     parser.add_argument("--rates", nargs="+", default=["100mbit"], help="tc rates, or 'none' for unshaped")
     parser.add_argument("--workers", nargs="+", type=int, default=[2])
-    parser.add_argument("--modes", nargs="+", default=None, help="default: every mode (see the docstring)")
+    parser.add_argument("--modes", nargs="+", type=mode_argument, default=None,
+                        help="default: every mode (see the docstring)")
     parser.add_argument("--compressions", nargs="+", default=list(COMPRESSIONS), choices=list(COMPRESSION_CHOICES))
     parser.add_argument("--target", type=float, default=None,
                         help="the metric to reach (digits: test accuracy 0.97; text: validation loss 2.3)")
