@@ -9,6 +9,7 @@ reorder or add nodes; graph order is execution order.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,10 +164,16 @@ def module_state(module: torch.nn.Module, param_names: Sequence[str], buffer_nam
     return [params[n] for n in param_names] + [buffers[n] for n in buffer_names]
 
 
+_ModuleRef = weakref.ReferenceType[torch.nn.Module]
+
+
 class StateReader:
     """``module_state`` each step without walking the module (two walks of every submodule cost a
     resnet's step ~0.1 ms): each name's owning submodule is found once, and read again only after a
-    check that every submodule on the way is still where it was (a replaced layer is followed)."""
+    check that every submodule on the way is still where it was (a replaced layer is followed).
+
+    Submodules are held weakly: a layer the user replaced is freed with its parameters, even by the
+    reader of a batch layout that never runs again (``TrainStep`` keeps one per layout)."""
 
     __slots__ = ("module", "param_names", "buffer_names", "_resolved")
 
@@ -174,31 +181,42 @@ class StateReader:
         self.module, self.param_names, self.buffer_names = module, list(param_names), list(buffer_names)
         self._resolved = self._resolve()
 
-    def _resolve(self) -> tuple[list[tuple[torch.nn.Module, str, torch.nn.Module]], list[tuple[dict[str, Any], str]]] | None:
-        """(every (parent, name, child) on the names' paths, each name's table and key); None where a
-        submodule on a path is gone (the walk then names what is missing)."""
-        path: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.nn.Module]] = {}
-        slots: list[tuple[dict[str, Any], str]] = []
+    def _resolve(self) -> tuple[list[tuple[_ModuleRef, str, _ModuleRef]], list[tuple[_ModuleRef, str, str]]] | None:
+        """(every (parent, name, child) on the names' paths, each name's owner, table and key), modules
+        as weak references; None where a submodule on a path is gone (the walk then names what is missing)."""
+        path: dict[tuple[int, str], tuple[_ModuleRef, str, _ModuleRef]] = {}
+        slots: list[tuple[_ModuleRef, str, str]] = []
+        root = weakref.ref(self.module)
         for names, table in ((self.param_names, "_parameters"), (self.buffer_names, "_buffers")):
             for name in names:
-                owner = self.module
+                owner, owner_ref = self.module, root
                 *prefix, attribute = name.split(".")
                 for part in prefix:
                     child = owner._modules.get(part)
                     if child is None:
                         return None
-                    path[(id(owner), part)] = (owner, part, child)
-                    owner = child
-                slots.append((getattr(owner, table), attribute))
+                    key = (id(owner), part)
+                    if key not in path:
+                        path[key] = (owner_ref, part, weakref.ref(child))
+                    owner, owner_ref = child, path[key][2]
+                slots.append((owner_ref, table, attribute))
         return list(path.values()), slots
+
+    def _still_resolved(self, resolved: tuple[list[tuple[_ModuleRef, str, _ModuleRef]], Any]) -> bool:
+        for parent_ref, name, child_ref in resolved[0]:
+            parent, child = parent_ref(), child_ref()
+            if parent is None or child is None or parent._modules.get(name) is not child:
+                return False
+        return True
 
     def read(self) -> list[torch.Tensor]:
         resolved = self._resolved  # one load: another thread may swap in a new resolution
-        if resolved is None or not all(parent._modules.get(name) is child for parent, name, child in resolved[0]):
+        if resolved is None or not self._still_resolved(resolved):
             resolved = self._resolved = self._resolve()  # a submodule was replaced since: find the owners again
         if resolved is None:
             return module_state(self.module, self.param_names, self.buffer_names)
-        values = [table.get(attribute) for table, attribute in resolved[1]]
+        # every owner is alive: each is the root or a child the check above found in its parent
+        values = [getattr(owner_ref(), table).get(attribute) for owner_ref, table, attribute in resolved[1]]
         if any(value is None for value in values):  # deleted, or set to None: the walk names it
             return module_state(self.module, self.param_names, self.buffer_names)
         return values  # type: ignore[return-value]  # None was refused above

@@ -140,6 +140,28 @@ def test_step_reads_parameters_and_layers_replaced_after_capture() -> None:
         step(x, y)
 
 
+def test_a_replaced_layer_is_freed_though_the_layout_that_read_it_never_runs_again() -> None:
+    # a step keeps one state reader per batch layout; one that does not run again must not keep a
+    # layer the user replaced (and its parameters) alive
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    wide, narrow = (torch.randn(5, 4), torch.randint(0, 2, (5,))), (torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    step = tandem.compile(module, loss_fn, *wide, recapture=True)
+    step(*wide)
+    step(*narrow)
+    replaced = weakref.ref(module[2])
+    module[2] = nn.Linear(3, 2)
+    result = step(*narrow)  # the wide layout's reader still points at the old layer's place
+    gc.collect()
+    assert replaced() is None
+    torch.testing.assert_close(result.loss, eager_step(module, loss_fn, narrow)[0])
+    torch.testing.assert_close(step(*wide).loss, eager_step(module, loss_fn, wide)[0])  # it follows the new one
+
+
 def test_capture_leaves_the_programs_garbage_collector_as_it_was() -> None:
     # capture freezes the older objects so that collections skip them, and unfreezes them after;
     # a program's own freeze (before a fork, say) is left alone
