@@ -80,3 +80,26 @@ def test_tandem_trace_env_writes_the_file_at_exit(tmp_path: Path) -> None:
     written = list(tmp_path.glob("exit-*.json"))
     assert len(written) == 1 and "{pid}" not in written[0].name
     assert [event["name"] for event in load(str(written[0])) if event["ph"] == "X"] == ["at-exit-op"]
+
+
+def test_a_traced_step_is_summarized_by_kind_and_per_step(tmp_path: Path) -> None:
+    # bench/trace_summary.py reads what a real captured step writes: every forward and backward
+    # segment grouped by kind, steps counted between the starts of the named event
+    if trace.enabled():
+        pytest.skip("TANDEM_TRACE is set for this test run")
+    import tandem
+    from bench.trace_summary import kind, summarize
+    from tests.conftest import zoo_case
+
+    module, loss_fn, batch = zoo_case("mlp")
+    step = tandem.compile(module, loss_fn, *batch)
+    step(*batch)
+    trace.start(str(tmp_path / "trace.json"))
+    for _ in range(4):
+        step(*batch)
+    text = summarize(Path(trace.stop()), "forward[0]", skip=1)
+    assert kind("forward[0]") == "forward" and kind("issue stem.0.weight[0] + 20 fused") == "issue"
+    assert "| forward |" in text and "| backward |" in text
+    assert "2 steps (from one forward[0] to the next)" in text
+    with pytest.raises(SystemExit, match="fewer than 2 'nothing' events"):
+        summarize(tmp_path / "trace.json", "nothing", skip=0)
