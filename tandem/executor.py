@@ -41,10 +41,13 @@ class Segment:
     function: Callable[[list[Any]], None] = field(repr=False, default=lambda v: None)
     gradients: list[str] = field(default_factory=list)  # parameters whose gradient this segment finishes
     parameters: list[str] = field(default_factory=list)  # parameters this segment reads
+    inference: bool = False  # a segment of an evaluation graph (``compile_eval``)
 
     @property
     def name(self) -> str:
-        return f"{self.phase}[{self.index}]"
+        """``forward[0]``, ``backward[3]``; ``eval[0]`` in an evaluation graph, so that a trace tells
+        evaluation's forward from training's."""
+        return f"{'eval' if self.inference else self.phase}[{self.index}]"
 
     @property
     def num_nodes(self) -> int:
@@ -164,7 +167,7 @@ class Executor:
             index = node.meta.get(MetaKey.SEGMENT, 0)
             phase = node.meta.get(MetaKey.PHASE, Phase.FORWARD)
             if not segments or segments[-1].index != index:
-                segments.append(Segment(index=index, phase=phase, instructions=[]))
+                segments.append(Segment(index=index, phase=phase, instructions=[], inference=self.train_graph.inference))
             unused = [] if node in last_use or node in outputs else [self._slot[node]]  # dead on arrival
             segments[-1].instructions.append(Instruction(self._slot[node], node, frees.get(node, []) + unused))
         return segments

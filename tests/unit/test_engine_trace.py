@@ -92,14 +92,18 @@ def test_a_traced_step_is_summarized_by_kind_and_per_step(tmp_path: Path) -> Non
     from tests.conftest import zoo_case
 
     module, loss_fn, batch = zoo_case("mlp")
-    step = tandem.compile(module, loss_fn, *batch)
+    step, evaluate = tandem.compile(module, loss_fn, *batch), tandem.compile_eval(module, loss_fn, *batch)
     step(*batch)
+    evaluate(*batch)
     trace.start(str(tmp_path / "trace.json"))
-    for _ in range(4):
+    for number in range(4):
         step(*batch)
+        if number == 1:
+            evaluate(*batch)  # its segment is eval[0]: not a training step's forward
     text = summarize(Path(trace.stop()), "forward[0]", skip=1)
     assert kind("forward[0]") == "forward" and kind("issue stem.0.weight[0] + 20 fused") == "issue"
-    assert "| forward |" in text and "| backward |" in text
+    rows = {row.split("|")[2].strip(): int(row.split("|")[3]) for row in text.splitlines() if row.startswith("| tandem")}
+    assert rows["forward"] == 2 and rows["eval"] == 1 and rows["backward"] >= 2, text
     assert "2 steps (from one forward[0] to the next)" in text
     with pytest.raises(SystemExit, match="fewer than 2 'nothing' events"):
         summarize(tmp_path / "trace.json", "nothing", skip=0)
