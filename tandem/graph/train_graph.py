@@ -172,8 +172,8 @@ class StateReader:
     resnet's step ~0.1 ms): each name's owning submodule is found once, and read again only after a
     check that every submodule on the way is still where it was (a replaced layer is followed).
 
-    Submodules are held weakly: a layer the user replaced is freed with its parameters, even by the
-    reader of a batch layout that never runs again (``TrainStep`` keeps one per layout)."""
+    Submodules are held weakly: a layer the user replaced is freed with its parameters, even when
+    the reader belongs to a batch layout that never runs again (``TrainStep`` keeps one per layout)."""
 
     __slots__ = ("module", "param_names", "buffer_names", "_resolved")
 
@@ -181,42 +181,48 @@ class StateReader:
         self.module, self.param_names, self.buffer_names = module, list(param_names), list(buffer_names)
         self._resolved = self._resolve()
 
-    def _resolve(self) -> tuple[list[tuple[_ModuleRef, str, _ModuleRef]], list[tuple[_ModuleRef, str, str]]] | None:
-        """(every (parent, name, child) on the names' paths, each name's owner, table and key), modules
-        as weak references; None where a submodule on a path is gone (the walk then names what is missing)."""
-        path: dict[tuple[int, str], tuple[_ModuleRef, str, _ModuleRef]] = {}
-        slots: list[tuple[_ModuleRef, str, str]] = []
-        root = weakref.ref(self.module)
+    def _resolve(self) -> tuple[list[tuple[int, str, _ModuleRef]], list[tuple[int, str, str]]] | None:
+        """(every (parent, name, child) on the names' paths, the child held weakly and the parent as a
+        position in ``_owners``' list, which it precedes; each name's owner (a position too), table and
+        key); None where a submodule on a path is gone (the walk then names what is missing)."""
+        path: list[tuple[int, str, _ModuleRef]] = []
+        positions: dict[tuple[int, str], int] = {}  # (parent's id, name) -> the child's position
+        slots: list[tuple[int, str, str]] = []
         for names, table in ((self.param_names, "_parameters"), (self.buffer_names, "_buffers")):
             for name in names:
-                owner, owner_ref = self.module, root
+                owner, position = self.module, 0  # position 0: the module itself
                 *prefix, attribute = name.split(".")
                 for part in prefix:
                     child = owner._modules.get(part)
                     if child is None:
                         return None
                     key = (id(owner), part)
-                    if key not in path:
-                        path[key] = (owner_ref, part, weakref.ref(child))
-                    owner, owner_ref = child, path[key][2]
-                slots.append((owner_ref, table, attribute))
-        return list(path.values()), slots
+                    if key not in positions:
+                        path.append((position, part, weakref.ref(child)))
+                        positions[key] = len(path)
+                    owner, position = child, positions[key]
+                slots.append((position, table, attribute))
+        return path, slots
 
-    def _still_resolved(self, resolved: tuple[list[tuple[_ModuleRef, str, _ModuleRef]], Any]) -> bool:
-        for parent_ref, name, child_ref in resolved[0]:
-            parent, child = parent_ref(), child_ref()
-            if parent is None or child is None or parent._modules.get(name) is not child:
-                return False
-        return True
+    def _owners(self, path: list[tuple[int, str, _ModuleRef]]) -> list[torch.nn.Module] | None:
+        """The module, then each child on ``path``, held for the read; None once any moved or died."""
+        owners = [self.module]
+        for parent, name, child_ref in path:
+            child = child_ref()
+            if child is None or owners[parent]._modules.get(name) is not child:
+                return None
+            owners.append(child)
+        return owners
 
     def read(self) -> list[torch.Tensor]:
         resolved = self._resolved  # one load: another thread may swap in a new resolution
-        if resolved is None or not self._still_resolved(resolved):
-            resolved = self._resolved = self._resolve()  # a submodule was replaced since: find the owners again
-        if resolved is None:
+        owners = self._owners(resolved[0]) if resolved is not None else None
+        if owners is None:  # a submodule was replaced since: find the owners again
+            resolved = self._resolved = self._resolve()
+            owners = self._owners(resolved[0]) if resolved is not None else None
+        if resolved is None or owners is None:  # gone (the walk names it), or replaced again meanwhile
             return module_state(self.module, self.param_names, self.buffer_names)
-        # every owner is alive: each is the root or a child the check above found in its parent
-        values = [getattr(owner_ref(), table).get(attribute) for owner_ref, table, attribute in resolved[1]]
+        values = [getattr(owners[position], table).get(attribute) for position, table, attribute in resolved[1]]
         if any(value is None for value in values):  # deleted, or set to None: the walk names it
             return module_state(self.module, self.param_names, self.buffer_names)
         return values  # type: ignore[return-value]  # None was refused above
