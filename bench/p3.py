@@ -66,6 +66,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], int]] = {  # name -> (zoo entry, co
 }
 MODES = ("baseline", "overlap", "p3", "p3-auto", "collective-overlap", "collective-p3", "collective-p3-auto")
 DDP_MODES = ("ddp", "ddp+fp16", "ddp+powersgd")
+DDP_HOOKS = ("fp16", "bf16", "powersgd")  # what ddp_wrap registers after "ddp+"
 KINDS = {"baseline": "dist_sync", "overlap": "dist_sync", "p3": "dist_p3", "p3-auto": "dist_p3",
          "collective-baseline": "collective", "collective-overlap": "collective", "collective-p3": "collective",
          "collective-p3-auto": "collective"}  # fmt: skip

@@ -59,12 +59,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere without installing
 
 from bench.common import OUT, command_line, markdown_table, write_report  # noqa: E402
-from bench.p3 import BACKENDS, DDP_MODES, KINDS, split_mode  # noqa: E402  (the mode -> kvstore kind map every bench shares)
+from bench.p3 import BACKENDS, DDP_HOOKS, DDP_MODES, KINDS, split_mode  # noqa: E402  (the mode -> kvstore kind map every bench shares)
 
 TANDEM_MODES = ("baseline", "overlap", "p3", "collective-p3")
 COMPRESSIONS = ("fp16", "2bit")  # the default table's; --compressions may add int8 and bf16
 COMPRESSION_CHOICES = (*COMPRESSIONS, "int8", "bf16")
-KIND_CHOICES = tuple(kind for kind in KINDS if not kind.endswith("-auto"))  # tuned modes need bench/p3.py's warm-up
+# the tuned modes (p3-auto...) are bench/p3.py's: the Trainer has no such communication, and tuning needs its warm-up
+TANDEM_MODE_CHOICES = tuple(mode for mode in KINDS if not mode.endswith("-auto"))
 SERVERS = 2
 JOB_TIMEOUT = 900
 MARK = "TTABENCH "
@@ -109,16 +110,31 @@ def all_modes(compressions: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def mode_argument(text: str) -> str:
-    """argparse's check of a mode: one of ``KIND_CHOICES`` with an optional ``+<compression>``, or one
-    of ``DDP_MODES``; either with an optional ``@<backend>``. Checked before the first job starts."""
+    """argparse's check of a mode: one of ``TANDEM_MODE_CHOICES`` with an optional ``+<compression>``
+    (as ``gradient_compression`` takes it: ``+2bit:0.1``), or ``ddp`` with an optional ``+<hook>``
+    (``DDP_HOOKS``); either with an optional ``@<backend>``. Checked before the first job starts."""
     base, backend = split_mode(text)
-    kind, plus, compression = base.partition("+")
-    known = base in DDP_MODES if kind == "ddp" else kind in KIND_CHOICES and (not plus or compression in COMPRESSION_CHOICES)
+    mode, plus, option = base.partition("+")
+    if mode == "ddp":
+        known = not plus or option in DDP_HOOKS
+    else:
+        known = mode in TANDEM_MODE_CHOICES and (not plus or _compression_known(option))
     if not known or backend not in BACKENDS:
         raise argparse.ArgumentTypeError(
-            f"unknown mode {text!r}: one of {', '.join(KIND_CHOICES)} (optionally +{'/+'.join(COMPRESSION_CHOICES)}) or "
-            f"{', '.join(DDP_MODES)}, each optionally with @{'/@'.join(BACKENDS)}")  # fmt: skip
+            f"unknown mode {text!r}: one of {', '.join(TANDEM_MODE_CHOICES)} (optionally "
+            f"+{'/+'.join(COMPRESSION_CHOICES)}), or ddp (optionally +{'/+'.join(DDP_HOOKS)}), each optionally "
+            f"with @{'/@'.join(BACKENDS)}")  # fmt: skip
     return text
+
+
+def _compression_known(text: str) -> bool:
+    from tandem.kvstore.compression import GradientCompression
+    from tandem.kvstore.errors import KVStoreError
+
+    try:
+        return GradientCompression.parse(text).type != "none"
+    except KVStoreError:
+        return False
 
 
 # ---- what each process runs --------------------------------------------------------------------
@@ -467,10 +483,10 @@ def main() -> None:
     for name in ("target", "steps", "eval_every", "batch", "lr"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(task, name))
-    modes = args.modes or all_modes(args.compressions)
+    modes = list(dict.fromkeys(args.modes)) if args.modes else all_modes(args.compressions)  # each mode once
     if args.quick:
         args.steps, args.eval_every = 40, 10
-        modes = args.modes or ["collective-p3", "collective-p3+fp16", "ddp", "ddp+fp16"]
+        modes = modes if args.modes else ["collective-p3", "collective-p3+fp16", "ddp", "ddp+fp16"]
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if any(args.batch % workers for workers in args.workers):
