@@ -230,7 +230,8 @@ def child_first_call(name: str, system: str) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - start}
 
 
-PROFILE_GROUPS = {"matrix products": ("aten::mm", "aten::addmm", "aten::bmm"), "random draws": ("aten::bernoulli_",)}
+PROFILE_GROUPS = {"matrix products": ("aten::mm", "aten::addmm", "aten::bmm"),
+                  "random draws": ("aten::bernoulli_", "tandem::bernoulli")}  # tandem's: its vectorised draw
 
 
 def child_profile(name: str, steps: int) -> dict[str, Any]:

@@ -49,6 +49,9 @@ _declare("TANDEM_BACKEND", str, "aten",
 _declare("TANDEM_INDUCTOR_CPP_WRAPPER", bool, False,
          "inductor backend: each compiled segment runs as one C++ call that releases the GIL (threads that send "
          "gradients run beside it) instead of Python calling its kernels one by one; compiles slower")
+_declare("TANDEM_FAST_BERNOULLI", bool, True,
+         "CPU dropout draws its masks with tandem's vectorised mt19937 (the same numbers as torch's; compiled with "
+         "the system C compiler on first use, where a self-test matches torch): 0 keeps aten's bernoulli")
 # capture
 _declare("TANDEM_CAPTURE_CACHE", bool, True,
          "keep captured step graphs on disk (under inductor's cache directory) and load them in later processes "

@@ -109,8 +109,12 @@ def _shape(node: Any) -> Sequence[int]:
 
 
 def is_random(node: fx.Node) -> bool:
-    """True for ops that draw random numbers (dropout, bernoulli, rand*): never re-run them."""
-    return node.op == "call_function" and node.target in RANDOM_OPS
+    """True for ops that draw random numbers (dropout, bernoulli, rand*, ops tagged so): never re-run them."""
+    return node.op == "call_function" and (node.target in RANDOM_OPS or _tagged_random(node.target))
+
+
+def _tagged_random(target: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())  # tandem::bernoulli, a user's own ops
 
 
 def is_expensive(node: fx.Node) -> bool:

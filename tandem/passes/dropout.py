@@ -7,7 +7,9 @@ Eager's dropout keeps ``noise = bernoulli(1 - p) / (1 - p)`` as a float tensor i
 backward is one multiply. Without mirroring tandem keeps what eager keeps, in eager's form; the
 mirroring policies keep the 1-byte mask (3 bytes less per element) and replay dropout outputs
 from it, trading those conversions for memory. Same random draw either way: the CPU kernel draws
-a float Bernoulli tensor in both forms, so the RNG stream and the mask are those of eager.
+a float Bernoulli tensor in both forms, so the RNG stream and the mask are those of eager. Where
+``tandem.backends.bernoulli`` can (most non-Intel CPUs), that draw is ``tandem::bernoulli``: the same
+numbers, vectorised.
 
 On CUDA (and the other devices ``at::dropout`` hands to ``native_dropout``: XPU, lazy, PrivateUse1)
 eager runs the fused ``native_dropout`` kernel itself, whose draw differs from a Bernoulli tensor's:
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from tandem.backends import bernoulli
 from tandem.graph import cost
 from tandem.graph.train_graph import TrainGraph
 from tandem.passes.config import PlanConfig
@@ -63,7 +66,9 @@ def _to_noise_form(graph: TrainGraph, dropout: fx.Node) -> None:
         return  # the mask is read some other way: leave this dropout as captured
     keep = 1.0 - probability
     with graph.graph.inserting_before(dropout):
-        drawn = _like(graph, dropout, output, aten.bernoulli.p, (source, keep))
+        fast = bernoulli.available(value.device, value.dtype)
+        draw = torch.ops.tandem.bernoulli.default if fast else aten.bernoulli.p  # the same numbers either way
+        drawn = _like(graph, dropout, output, draw, (source, keep))
         noise = _like(graph, dropout, output, aten.div.Tensor, (drawn, keep))
         value = _like(graph, dropout, output, aten.mul.Tensor, (source, noise))
     output.replace_all_uses_with(value)

@@ -34,14 +34,21 @@ def targets(step: tandem.TrainStep) -> list[object]:
     return [node.target for node in step.graph.op_nodes()]
 
 
-def test_without_mirroring_dropout_takes_eagers_form_and_eagers_numbers() -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["tandem-draw", "aten-draw"])
+def test_without_mirroring_dropout_takes_eagers_form_and_eagers_numbers(fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.backends import bernoulli
+
+    monkeypatch.setenv("TANDEM_FAST_BERNOULLI", "1" if fast else "0")
+    if fast and bernoulli.unavailable_reason() is not None:
+        pytest.skip(f"tandem's fast draw is not used here: {bernoulli.unavailable_reason()}")
+    draw = torch.ops.tandem.bernoulli.default if fast else aten.bernoulli.p
     torch.manual_seed(0)
     module, x = Dropped(), torch.randn(64, 16)
     reference = twin(module)
     step = tandem.compile(module, loss_sum, x)
     found = targets(step)
     assert aten.native_dropout.default not in found and aten.native_dropout_backward.default not in found
-    assert found.count(aten.bernoulli.p) == 2, "one draw per dropout, as eager"
+    assert found.count(draw) == 2, "one draw per dropout, as eager"
     torch.manual_seed(7)
     result = step(x)
     after_step = torch.random.get_rng_state()
@@ -83,3 +90,31 @@ def test_where_eager_runs_the_fused_kernel_native_dropout_stays() -> None:
     dropout_pass(graph, PlanConfig())
     assert [n for n in graph.op_nodes() if n.target is aten.native_dropout.default] == dropouts
     assert aten.bernoulli.p not in {n.target for n in graph.op_nodes()}
+
+
+class TwiceDropped(nn.Module):
+    """Two dropouts of one tensor with one rate: two draws, never merged into one (a CSE pass would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.drop = nn.Linear(16, 32), nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.first(x))
+        return self.drop(hidden) * self.drop(hidden)
+
+
+@pytest.mark.parametrize("backend", ["aten", "inductor"])
+def test_two_draws_of_one_tensor_stay_two_draws(backend: str) -> None:
+    torch.manual_seed(0)
+    module, x = TwiceDropped(), torch.randn(8, 16)
+    reference = twin(module)
+    step = tandem.compile(module, loss_sum, x, backend=backend)
+    torch.manual_seed(3)
+    result = step(x)
+    after_step = torch.random.get_rng_state()
+    loss, grads = eager_step(reference, loss_sum, (x,), seed=3)
+    assert torch.equal(torch.random.get_rng_state(), after_step), "as many numbers drawn as eager draws"
+    torch.testing.assert_close(result.loss, loss, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(result.grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
