@@ -28,6 +28,7 @@ import ctypes
 import functools
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -164,31 +165,33 @@ def _checked() -> str | None:
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The compiled kernels, or why there are none. Built in a private temporary directory (nothing
-    another user could have written is loaded), removed once loaded."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    another user could have written is loaded), removed once loaded (the mapping stays)."""
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         return "no C compiler (cc) on PATH"
-    directory = Path(tempfile.mkdtemp(prefix="tandem-bernoulli-"))
     try:
-        source, library = directory / "bernoulli.c", directory / "bernoulli.so"
-        source.write_text(_SOURCE)
-        failure = ""
-        for flags in _FLAG_SETS:
-            command = [compiler, "-O3", *flags, "-shared", "-fPIC", str(source), "-o", str(library)]
-            try:
-                result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            except (OSError, subprocess.TimeoutExpired) as error:
-                return f"{compiler} failed: {error}"
-            if result.returncode == 0:
-                break
-            failure = (result.stderr.strip().splitlines() or ["no output"])[0]
-        else:
-            return f"{compiler} could not compile the kernel: {failure}"
-        loaded = ctypes.CDLL(str(library))
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)  # a loaded library stays mapped
-    for name in _KERNELS.values():
-        kernel = getattr(loaded, name)
-        kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
-        kernel.restype = None
-    return loaded
+        with tempfile.TemporaryDirectory(prefix="tandem-bernoulli-") as directory:
+            return _build(compiler, Path(directory))
+    except OSError as error:  # no compiler by that name, no writable temporary directory, a noexec mount
+        return f"could not build or load the kernel with {compiler[0]}: {error}"
+
+
+def _build(compiler: list[str], directory: Path) -> ctypes.CDLL | str:
+    source, library = directory / "bernoulli.c", directory / "bernoulli.so"
+    source.write_text(_SOURCE)
+    failure = ""
+    for flags in _FLAG_SETS:
+        command = [*compiler, "-O3", *flags, "-shared", "-fPIC", str(source), "-o", str(library)]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return f"{compiler[0]} took over 120 s to compile the kernel"
+        if result.returncode == 0:
+            loaded = ctypes.CDLL(str(library))
+            for name in _KERNELS.values():
+                kernel = getattr(loaded, name)
+                kernel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
+                kernel.restype = None
+            return loaded
+        failure = (result.stderr.strip().splitlines() or ["no output"])[0]
+    return f"{compiler[0]} could not compile the kernel: {failure}"

@@ -83,3 +83,11 @@ def test_it_is_tagged_random_so_mirroring_never_recomputes_it() -> None:
     graph = fx.Graph()
     node = graph.call_function(torch.ops.tandem.bernoulli.default, (graph.placeholder("x"), 0.9))
     assert cost.is_random(node)
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
+def test_a_missing_or_failing_compiler_is_a_reason_not_an_error(compiler: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Then the dropout pass keeps aten's draw: the reason says which compiler and what went wrong."""
+    monkeypatch.setenv("CC", compiler)
+    reason = bernoulli._library.__wrapped__()  # uncached: a fresh build under this CC
+    assert isinstance(reason, str) and compiler in reason, reason
