@@ -12,14 +12,18 @@ How aten draws one element (``at::bernoulli_distribution<double>``): a 64-bit nu
 words, the first one high; its low 53 bits times 2**-53 is a double ``u`` in [0, 1); the element
 is ``u < p``, which for an integer ``k`` is ``k < ceil(p * 2**53)``, exactly.
 
-The dropout pass uses this op only where ``unavailable_reason`` is None: on first use the C
+``tandem::bernoulli`` falls back to aten's draw unless ``unavailable_reason`` is None: on first use the C
 source is compiled (into a private temporary directory, removed once loaded) and its draws, and the
 generator's state after them, are checked against aten's on a private generator. Elsewhere (Intel
-CPUs, no C compiler, ``TANDEM_FAST_BERNOULLI=0``) graphs keep ``aten.bernoulli.p``.
+CPUs, no C compiler, ``TANDEM_FAST_BERNOULLI=0``), and for other dtypes, it
+is ``torch.empty_like(self).bernoulli_(p)``, eager's own.
 
-Contract: a draw reads the default CPU generator's state, then sets it. A draw from that generator
-on another thread in between is overwritten (its numbers repeat); tandem's engine runs every
-segment on its one compute thread (``TANDEM_ENGINE_COMPUTE_THREADS``).
+Contract: unlike aten's draw, which holds the generator's lock, a draw reads the default CPU
+generator's state, runs the kernel without the GIL (other threads, the kvstore's among them, run
+meanwhile), then sets the state. tandem's segments run one after another, so its own draws never
+overlap; a draw from the default generator on another thread of the user's during one is undone
+(its numbers come again). Draw elsewhere from your own ``torch.Generator``, or set
+``TANDEM_FAST_BERNOULLI=0``.
 """
 
 from __future__ import annotations
@@ -99,23 +103,39 @@ DRAW(bernoulli_float32, float)
 DRAW(bernoulli_float64, double)
 """
 
+_STATE_BYTES = 5056  # sizeof(CPUGeneratorImplState) in torch 2.x
 _KERNELS = {torch.float32: "bernoulli_float32", torch.float64: "bernoulli_float64"}
 _FLAG_SETS: tuple[list[str], ...] = (["-march=native"], [])  # vectorised for this CPU, else whatever the compiler defaults to
 
 
 @torch.library.custom_op("tandem::bernoulli", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def bernoulli(self: torch.Tensor, p: float) -> torch.Tensor:
-    """``aten.bernoulli.p(self, p)``: the same numbers from the default generator, drawn fast where
-    ``available``; the dropout pass emits it (tagged random, so never recomputed)."""
-    out = torch.empty_like(self, memory_format=torch.contiguous_format)  # as aten's: drawn in index order
-    if 0.0 <= p <= 1.0 and available(out.device, out.dtype):
-        return draw(out, p, torch.default_generator)
+    """Eager dropout's noise draw, ``torch.empty_like(self).bernoulli_(p)``: ``self``'s layout, drawn
+    in memory order from the default generator, fast where ``available``. The dropout pass emits it
+    (tagged random: never recomputed, and inductor keeps the draws in program order)."""
+    out = torch.empty_like(self)  # eager's noise keeps the input's layout (channels-last stays so)
+    if 0.0 <= p <= 1.0 and available(out.device, out.dtype) and _dense(out):
+        return draw(out, p, torch.default_generator)  # dense, as empty_like makes it: memory order is storage order
     return out.bernoulli_(p)  # aten's own (and its error for a bad p)
+
+
+OP = torch.ops.tandem.bernoulli.default  # what graphs call
 
 
 @bernoulli.register_fake
 def _bernoulli_fake(self: torch.Tensor, p: float) -> torch.Tensor:
-    return torch.empty_like(self, memory_format=torch.contiguous_format)
+    return torch.empty_like(self)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Its elements fill its storage range without gaps or overlaps, in some order of dimensions."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda dim: dim[1]):
+        if size != 1:
+            if stride != expected:
+                return False
+            expected *= size
+    return True
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -136,6 +156,9 @@ def draw(out: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tenso
     library = _library()
     assert not isinstance(library, str), library
     state = generator.get_state()
+    if state.numel() != _STATE_BYTES:  # the kernel reads and writes this layout: never out of bounds
+        raise RuntimeError(f"torch's CPU generator state has {state.numel()} bytes, not {_STATE_BYTES}: "
+                           f"set TANDEM_FAST_BERNOULLI=0")  # fmt: skip
     getattr(library, _KERNELS[out.dtype])(state.data_ptr(), out.data_ptr(), out.numel(), math.ceil(p * 2.0**53))
     generator.set_state(state)
     return out
@@ -148,6 +171,8 @@ def _checked() -> str | None:
     library = _library()
     if isinstance(library, str):
         return library
+    if (size := torch.Generator().get_state().numel()) != _STATE_BYTES:
+        return f"torch's CPU generator state has another layout ({size} bytes, not {_STATE_BYTES})"
     for dtype in _KERNELS:
         for size in (1, 311, 624, 1249, 5000):
             for p in (0.9, 0.5, 0.003):
@@ -166,14 +191,17 @@ def _checked() -> str | None:
 def _library() -> ctypes.CDLL | str:
     """The compiled kernels, or why there are none. Built in a private temporary directory (nothing
     another user could have written is loaded), removed once loaded (the mapping stays)."""
-    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    try:
+        compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    except ValueError as error:
+        return f"CC={os.environ.get('CC')!r} is not a command line: {error}"
     if not compiler[0]:
         return "no C compiler (cc) on PATH"
     try:
         with tempfile.TemporaryDirectory(prefix="tandem-bernoulli-") as directory:
             return _build(compiler, Path(directory))
-    except OSError as error:  # no compiler by that name, no writable temporary directory, a noexec mount
-        return f"could not build or load the kernel with {compiler[0]}: {error}"
+    except Exception as error:  # noqa: BLE001 - no such compiler, no writable temporary directory, a noexec mount...
+        return f"could not build or load the kernel with {compiler[0]}: {type(error).__name__}: {error}"
 
 
 def _build(compiler: list[str], directory: Path) -> ctypes.CDLL | str:
@@ -181,9 +209,9 @@ def _build(compiler: list[str], directory: Path) -> ctypes.CDLL | str:
     source.write_text(_SOURCE)
     failure = ""
     for flags in _FLAG_SETS:
-        command = [*compiler, "-O3", *flags, "-shared", "-fPIC", str(source), "-o", str(library)]
+        command = [*compiler, "-x", "c", "-O3", *flags, "-shared", "-fPIC", str(source), "-o", str(library)]  # C even with CC=g++
         try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            result = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=120)
         except subprocess.TimeoutExpired:
             return f"{compiler[0]} took over 120 s to compile the kernel"
         if result.returncode == 0:

@@ -136,7 +136,8 @@ def onednn_below_avx512() -> bool:
     return capped_below or torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
-# fallback_random: random ops call aten, so dropout draws eager's numbers from eager's generator.
+# fallback_random: random ops call aten (and tandem::bernoulli), so dropout draws eager's numbers from
+# eager's generator; only under it does inductor chain the draws (nondeterministic_seeded) in program order.
 # keep_output_stride off: a value passed to a later segment keeps the layout inductor chose for it
 # (channels-last conv activations: convolution_backward is ~25% faster on them on the CPU).
 # layout_optimization off where oneDNN runs AVX2 code: its channels-last 1x1 weight gradient corrupts the heap.

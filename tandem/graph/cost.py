@@ -109,12 +109,15 @@ def _shape(node: Any) -> Sequence[int]:
 
 
 def is_random(node: fx.Node) -> bool:
-    """True for ops that draw random numbers (dropout, bernoulli, rand*, ops tagged so): never re-run them."""
+    """True for ops that draw random numbers (dropout, bernoulli, rand*, custom ops tagged so): never re-run them."""
     return node.op == "call_function" and (node.target in RANDOM_OPS or _tagged_random(node.target))
 
 
 def _tagged_random(target: Any) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())  # tandem::bernoulli, a user's own ops
+    """A custom op tagged random (tandem::bernoulli, a user's own). Not aten's: the tag also marks ops
+    that draw only sometimes (SDPA, lstm with dropout 0), which RANDOM_OPS leaves recomputable."""
+    tagged = torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+    return tagged and getattr(target, "namespace", "aten") != "aten"
 
 
 def is_expensive(node: fx.Node) -> bool:

@@ -7,9 +7,10 @@ Eager's dropout keeps ``noise = bernoulli(1 - p) / (1 - p)`` as a float tensor i
 backward is one multiply. Without mirroring tandem keeps what eager keeps, in eager's form; the
 mirroring policies keep the 1-byte mask (3 bytes less per element) and replay dropout outputs
 from it, trading those conversions for memory. Same random draw either way: the CPU kernel draws
-a float Bernoulli tensor in both forms, so the RNG stream and the mask are those of eager. Where
-``tandem.backends.bernoulli`` can (most non-Intel CPUs), that draw is ``tandem::bernoulli``: the same
-numbers, vectorised.
+a float Bernoulli tensor in both forms, so the RNG stream and the mask are those of eager. The draw
+is ``tandem::bernoulli`` (``tandem.backends.bernoulli``): eager's noise tensor, in the input's
+layout (``aten.bernoulli.p`` would draw a channels-last input's noise in another order), and on
+most non-Intel CPUs vectorised.
 
 On CUDA (and the other devices ``at::dropout`` hands to ``native_dropout``: XPU, lazy, PrivateUse1)
 eager runs the fused ``native_dropout`` kernel itself, whose draw differs from a Bernoulli tensor's:
@@ -66,9 +67,8 @@ def _to_noise_form(graph: TrainGraph, dropout: fx.Node) -> None:
         return  # the mask is read some other way: leave this dropout as captured
     keep = 1.0 - probability
     with graph.graph.inserting_before(dropout):
-        fast = bernoulli.available(value.device, value.dtype)
-        draw = torch.ops.tandem.bernoulli.default if fast else aten.bernoulli.p  # the same numbers either way
-        drawn = _like(graph, dropout, output, draw, (source, keep))
+        # eager's noise, empty_like(source).bernoulli_(keep): the source's layout, drawn in memory order
+        drawn = _like(graph, dropout, output, bernoulli.OP, (source, keep))
         noise = _like(graph, dropout, output, aten.div.Tensor, (drawn, keep))
         value = _like(graph, dropout, output, aten.mul.Tensor, (source, noise))
     output.replace_all_uses_with(value)

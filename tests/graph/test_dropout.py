@@ -41,14 +41,13 @@ def test_without_mirroring_dropout_takes_eagers_form_and_eagers_numbers(fast: bo
     monkeypatch.setenv("TANDEM_FAST_BERNOULLI", "1" if fast else "0")
     if fast and bernoulli.unavailable_reason() is not None:
         pytest.skip(f"tandem's fast draw is not used here: {bernoulli.unavailable_reason()}")
-    draw = torch.ops.tandem.bernoulli.default if fast else aten.bernoulli.p
     torch.manual_seed(0)
     module, x = Dropped(), torch.randn(64, 16)
     reference = twin(module)
     step = tandem.compile(module, loss_sum, x)
     found = targets(step)
     assert aten.native_dropout.default not in found and aten.native_dropout_backward.default not in found
-    assert found.count(draw) == 2, "one draw per dropout, as eager"
+    assert found.count(torch.ops.tandem.bernoulli.default) == 2, "one draw per dropout, as eager"
     torch.manual_seed(7)
     result = step(x)
     after_step = torch.random.get_rng_state()
@@ -89,7 +88,7 @@ def test_where_eager_runs_the_fused_kernel_native_dropout_stays() -> None:
             source.meta["val"] = torch.empty(source.meta["val"].shape, device="cuda")
     dropout_pass(graph, PlanConfig())
     assert [n for n in graph.op_nodes() if n.target is aten.native_dropout.default] == dropouts
-    assert aten.bernoulli.p not in {n.target for n in graph.op_nodes()}
+    assert torch.ops.tandem.bernoulli.default not in {n.target for n in graph.op_nodes()}
 
 
 class TwiceDropped(nn.Module):
@@ -118,3 +117,30 @@ def test_two_draws_of_one_tensor_stay_two_draws(backend: str) -> None:
     torch.testing.assert_close(result.loss, loss, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(result.grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class StridedDropped(nn.Module):
+    """Dropout of a transposed (dense, not contiguous) value: eager's noise takes its layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.drop = nn.Linear(16, 24), nn.Dropout(0.4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.first(x).t()).sum(0)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["tandem-draw", "aten-draw"])
+def test_a_strided_input_gets_eagers_mask(fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The noise is drawn in memory order of the input's layout, as eager's empty_like(x).bernoulli_."""
+    monkeypatch.setenv("TANDEM_FAST_BERNOULLI", "1" if fast else "0")
+    torch.manual_seed(0)
+    module, x = StridedDropped(), torch.randn(32, 16)
+    reference = twin(module)
+    step = tandem.compile(module, loss_sum, x)
+    torch.manual_seed(9)
+    result = step(x)
+    loss, grads = eager_step(reference, loss_sum, (x,), seed=9)
+    assert torch.equal(result.loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(result.grads[name], grad), name
