@@ -1,6 +1,6 @@
 """Dropout's random draws on the CPU: eager's numbers, bit for bit, several times faster.
 
-Dropout draws a Bernoulli tensor (``aten.bernoulli.p``). On every CPU but Intel's, torch draws it
+Eager dropout draws a Bernoulli tensor (``empty_like(x).bernoulli_(1 - p)``). On every CPU but Intel's, torch draws it
 one element at a time from the default generator's mt19937 (aten's ``bernoulli_scalar_kernel``
 hands Intel CPUs to MKL's stream instead): two 32-bit words an element, under a lock, in a loop
 the compiler cannot vectorise. On a 2-core AMD EPYC that took 13 ns an element, about a seventh of
@@ -151,8 +151,8 @@ def unavailable_reason() -> str | None:
 
 
 def draw(out: torch.Tensor, p: float, generator: torch.Generator) -> torch.Tensor:
-    """Fill contiguous CPU ``out`` as ``out.bernoulli_(p, generator=generator)`` would, advancing
-    ``generator`` as it would (``0 <= p <= 1``; float32 or float64)."""
+    """Fill dense CPU ``out``, in memory order, as ``out.bernoulli_(p, generator=generator)`` would,
+    advancing ``generator`` as it would (``0 <= p <= 1``; float32 or float64)."""
     library = _library()
     assert not isinstance(library, str), library
     state = generator.get_state()
