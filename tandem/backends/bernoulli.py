@@ -3,8 +3,8 @@
 Eager dropout draws a Bernoulli tensor (``empty_like(x).bernoulli_(1 - p)``). On every CPU but Intel's, torch draws it
 one element at a time from the default generator's mt19937 (aten's ``bernoulli_scalar_kernel``
 hands Intel CPUs to MKL's stream instead): two 32-bit words an element, under a lock, in a loop
-the compiler cannot vectorise. On a 2-core AMD EPYC that took 13 ns an element, about a seventh of
-the zoo gpt's training step. ``tandem::bernoulli`` makes the same numbers from the same generator
+the compiler cannot vectorise. On a 2-core AMD EPYC that took 17.6 ms of a profiled 144.5 ms step
+of the zoo gpt (docs/compiled.md). ``tandem::bernoulli`` makes the same numbers from the same generator
 state, a block of 624 words at a time, in C compiled for this machine on first use, and leaves
 the generator where aten leaves it: the masks, and every later draw, are eager's.
 
