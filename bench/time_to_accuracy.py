@@ -12,7 +12,7 @@ to the link rate (as bench/p3.py). Modes:
 - collective-p3: ``kvstore="collective"``, workers only;
   each of them also with gradient compression (``+fp16``, ``+2bit`` with error feedback);
   ``--modes`` also takes ``collective-baseline`` (one exchange after backward) and
-  ``collective-overlap``, and ``+int8`` / ``+bf16`` (``--compressions int8`` adds int8 rows);
+  ``collective-overlap``, and ``+int8`` / ``+int4`` / ``+bf16`` (``--compressions int8`` adds int8 rows);
 - ddp, ddp+fp16, ddp+powersgd: torch DistributedDataParallel over gloo, plain and with its
   communication hooks (bench/p3.py's ``ddp_wrap``: fp16_compress_hook; powerSGD_hook, rank 2,
   vanilla all-reduce for the first 2 steps).
@@ -62,8 +62,8 @@ from bench.common import OUT, command_line, markdown_table, write_report  # noqa
 from bench.p3 import BACKENDS, DDP_HOOKS, DDP_MODES, KINDS, split_mode  # noqa: E402  (the mode -> kvstore kind map every bench shares)
 
 TANDEM_MODES = ("baseline", "overlap", "p3", "collective-p3")
-COMPRESSIONS = ("fp16", "2bit")  # the default table's; --compressions may add int8 and bf16
-COMPRESSION_CHOICES = (*COMPRESSIONS, "int8", "bf16")
+COMPRESSIONS = ("fp16", "2bit")  # the default table's; --compressions may add int8, int4 and bf16
+COMPRESSION_CHOICES = (*COMPRESSIONS, "int8", "int4", "bf16")
 # the tuned modes (p3-auto...) are bench/p3.py's: the Trainer has no such communication, and tuning needs its warm-up
 TANDEM_MODE_CHOICES = tuple(mode for mode in KINDS if not mode.endswith("-auto"))
 SERVERS = 2

@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how gradients travel with a distributed kvstore (auto: p3 on the P3 kinds, else overlap)")
     p.add_argument("--gradient-compression", default=None, metavar="KIND[:THRESHOLD]",
                    help="compress pushed gradients with a distributed kvstore: 2bit (threshold 0.5), 2bit:0.1, "
-                        "fp16, bf16 or int8, with error feedback (off when unset)")
+                        "fp16, bf16, int8 or int4, with error feedback (off when unset)")
     p.add_argument("--update-on", default=None, choices=["servers", "workers"],
                    help="with a distributed kvstore: where the optimizer runs (unset: servers; the async kinds "
                         "refuse workers: their servers do not sum the workers' gradients)")

@@ -56,7 +56,7 @@ class TrainerConfig:
     update_on_kvstore: bool = True  # the servers run the optimizer (False: pushpull grads, update here)
     # "baseline", "overlap" or "p3" (auto: p3 on the P3 kinds, also under tandem launch --p3, else overlap)
     communication: str = "auto"
-    # compress pushed gradients ({"type": "2bit", "threshold": 0.5}, "fp16", "bf16", "int8"; tandem.kvstore.compression)
+    # compress pushed gradients ({"type": "2bit", "threshold": 0.5}, "fp16", "bf16", "int8", "int4"; tandem.kvstore.compression)
     gradient_compression: str | dict[str, Any] | None = None
     store: KVStoreConfig = field(init=False, repr=False)  # kvstore and kvstore_options resolved (TANDEM_* knobs too)
 
@@ -124,7 +124,7 @@ class Trainer:
     - ``update_on_kvstore`` (True): the servers run the optimizer; False: they sum gradients, each worker updates
       (refused on the asynchronous kinds, whose servers do not sum: see ``tandem.update.check_combination``);
     - ``communication`` ("auto"): ``"baseline"``, ``"overlap"`` or ``"p3"`` (auto: p3 on the P3 kinds, else overlap);
-    - ``gradient_compression`` (None): ``"fp16"``, ``"bf16"``, ``"int8"``, ``"2bit"`` or ``{"type": "2bit", "threshold": 0.5}``.
+    - ``gradient_compression`` (None): ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"``, ``"2bit"`` or ``{"type": "2bit", "threshold": 0.5}``.
 
     Unknown options raise ``TypeError`` listing the valid ones.
 

@@ -361,13 +361,13 @@ class KVStore(ABC):
         """
 
     def set_gradient_compression(self, params: Any) -> None:
-        """Compress pushed gradients (``{"type": "2bit", "threshold": 0.5}``, "fp16", "bf16", "int8"; see
+        """Compress pushed gradients (``{"type": "2bit", "threshold": 0.5}``, "fp16", "bf16", "int8", "int4"; see
         ``tandem.kvstore.compression``). Only distributed stores compress: bytes cost nothing here.
 
         Example:
             ```python
             kv = tandem.kvstore.create("dist_sync")          # a worker of a job
-            kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})   # or "fp16", "bf16", "int8"
+            kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})   # or "fp16", "bf16", "int8", "int4"
             ```
         """
         if not GradientCompression.parse(params).enabled:

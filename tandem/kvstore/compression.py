@@ -13,7 +13,7 @@ Kinds (``{"type": ..., "threshold": ...}``):
   than float32.
 - ``fp16`` / ``bf16``: the sum cast to 16 bits, 2x fewer bytes (fp16 values are clamped to its
   range first: what overflows stays in the residual instead of becoming ``inf``).
-- ``int8``: the sum cut into blocks of 64 elements (``INT8_BLOCK``; a slice's last block shorter),
+- ``int8``: the sum cut into blocks of 64 elements (``BLOCK``; a slice's last block shorter),
   each scaled by its own float32 (its largest magnitude / 127) and rounded to 8 bits: 3.76x fewer
   bytes. Unlike 2-bit it keeps every element's own value to 1/254 of its block's largest. A scale
   per block rather than per slice keeps small gradients beside a large one from rounding to 0 step
@@ -21,6 +21,10 @@ Kinds (``{"type": ..., "threshold": ...}``):
   measurement). Unlike 16-bit floats the codes cannot be summed as they are, so the collective
   store all-gathers them: fewer bytes than fp16 with 2 and 3 workers, 1/16 more with 4, more
   beyond (a ring all-reduce moves 2(n-1)/n of the values, an all-gather n-1 times them).
+- ``int4``: int8's blocks and scales (a block's largest magnitude / 7), each element rounded to 4
+  bits (-7..7), two per byte: 7.1x fewer bytes. Coarser per step than int8 (a 14th of its block's
+  largest), so more waits in the residual; what a slow link saves, and whether the model still
+  learns as fast, docs/benchmarks.md measures (time to accuracy).
 
 Only pushed values of float32 and float64 keys are compressed (pushes and pushpulls, never
 ``init``). Servers need no setting: a compressed push says so in its header (``Flag.COMPRESSED``)
@@ -46,7 +50,7 @@ from tandem.kvstore.errors import KVStoreError, ProtocolError
 from tandem.kvstore.flat import elements
 
 Key = int | str
-KINDS = {"2bit": 1, "fp16": 2, "bf16": 3, "int8": 4}  # the wire's kind codes
+KINDS = {"2bit": 1, "fp16": 2, "bf16": 3, "int8": 4, "int4": 5}  # the wire's kind codes
 _NAMES = {code: name for name, code in KINDS.items()}
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -57,7 +61,7 @@ DESCRIPTOR = struct.Struct("<B3xf")  # kind code, threshold (2bit; 0 otherwise)
 
 @dataclass(frozen=True)
 class GradientCompression:
-    """What ``set_gradient_compression`` was given: ``type`` "none", "2bit", "fp16", "bf16" or "int8", and
+    """What ``set_gradient_compression`` was given: ``type`` "none", "2bit", "fp16", "bf16", "int8" or "int4", and
     ``threshold`` (2bit only: the magnitude sent for every element that reaches it; MXNet's 0.5;
     rounded to float32, as the wire carries it)."""
 
@@ -81,9 +85,9 @@ class GradientCompression:
 
     @property
     def ratio(self) -> float:
-        """How many times fewer bytes a float32 push takes on the wire (int8: its scales included)."""
-        if self.type == "int8":
-            return 4 * INT8_BLOCK / (INT8_BLOCK + INT8_SCALE_BYTES)
+        """How many times fewer bytes a float32 push takes on the wire (int8, int4: their scales included)."""
+        if self.type in _LEVELS:
+            return 4 * BLOCK / block_bytes(self.type, BLOCK)
         return {"none": 1, "2bit": 16}.get(self.type, 2)
 
     @classmethod
@@ -166,8 +170,8 @@ def encode_into_residual(config: GradientCompression, total: torch.Tensor, summa
         codes = positive.view(torch.uint8) | (negative.view(torch.uint8) << 1)  # 0: zero, 1: +threshold, 2: -threshold
         total.add_(negative.to(total.dtype), alpha=threshold).sub_(positive.to(total.dtype), alpha=threshold)
         return _pack_2bit(codes)
-    if config.type == "int8":
-        return _encode_int8(total, [total.numel()])
+    if config.type in _LEVELS:
+        return _encode_blocks(config.type, total, [total.numel()])
     if config.type == "fp16":
         bound = _FP16_MAX / summands
         sent = total.clamp(-bound, bound).to(torch.float16)  # overflow stays in the residual
@@ -179,11 +183,12 @@ def encode_into_residual(config: GradientCompression, total: torch.Tensor, summa
 
 def encode_parts(config: GradientCompression, totals: list[torch.Tensor], summands: int = 1) -> torch.Tensor:
     """``encode_into_residual`` of several flat values as one message (the collective store's fused
-    slices): encoded over their concatenation in a few ops, not a few per part; int8's blocks never
-    straddle two parts. ``decode_parts`` reads it back."""
+    slices): encoded over their concatenation in a few ops, not a few per part; int8's and int4's
+    blocks never straddle two parts. ``decode_parts`` reads it back."""
     sizes = [total.numel() for total in totals]
     joined = totals[0] if len(totals) == 1 else torch.cat(totals)
-    sent = _encode_int8(joined, sizes) if config.type == "int8" else encode_into_residual(config, joined, summands)
+    sent = (_encode_blocks(config.type, joined, sizes) if config.type in _LEVELS
+            else encode_into_residual(config, joined, summands))
     if len(totals) > 1:  # the residuals are the totals: what the message leaves out goes back into each
         torch._foreach_copy_(totals, list(joined.split(sizes)))
     return sent
@@ -191,14 +196,14 @@ def encode_parts(config: GradientCompression, totals: list[torch.Tensor], summan
 
 def decode_parts(config: GradientCompression, data: torch.Tensor, sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """The values, joined, of parts of ``sizes`` elements that ``encode_parts`` encoded into ``data``."""
-    if config.type == "int8":
-        return _decode_int8(data, sizes, dtype)
+    if config.type in _LEVELS:
+        return _decode_blocks(config.type, data, sizes, dtype)
     return decode_tensor(config, data, dtype, sum(sizes))
 
 
 def summable(config: GradientCompression) -> bool:
     """Compressed values of this kind can be summed as they are (16-bit floats: all-reduced in
-    16 bits, as DDP's fp16 and bf16 hooks do); int8 and 2-bit codes cannot."""
+    16 bits, as DDP's fp16 and bf16 hooks do); int8, int4 and 2-bit codes cannot."""
     return config.type in _CASTS
 
 
@@ -243,23 +248,27 @@ def decode_data(config: GradientCompression, data: memoryview, dtype: torch.dtyp
             raise ProtocolError(f"2bit values of {numel} elements carry {data.nbytes} bytes, not {(numel + 3) // 4}")
         codes = torch.frombuffer(data, dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8)
         return decode_tensor(config, codes, dtype, numel)
-    if kind == "int8":
-        expected = int8_bytes(numel)
+    if kind in _LEVELS:
+        expected = block_bytes(kind, numel)
         if data.nbytes != expected:
-            raise ProtocolError(f"int8 values of {numel} elements carry {data.nbytes} bytes, not {expected} (a "
-                                f"float32 scale per {INT8_BLOCK} elements, then a byte per element)")  # fmt: skip
+            per_element = "a byte per element" if kind == "int8" else "half a byte per element"
+            raise ProtocolError(f"{kind} values of {numel} elements carry {data.nbytes} bytes, not {expected} (a "
+                                f"float32 scale per {BLOCK} elements, then {per_element})")  # fmt: skip
         if not numel:
             return torch.empty(0, dtype=dtype)
         message = torch.frombuffer(data, dtype=torch.uint8)  # the scales, then the codes
-        head = expected - numel
+        head = SCALE_BYTES * _block_count(numel)
         scales = message[:head].clone().view(torch.float32)
         # what no encoder sends: the values would not be the sender's (NaN is: a block that was not finite)
-        bad = scales.signbit() | (scales > INT8_MAX_SCALE)  # -0.0 and negative NaN included, inf too
+        bad = scales.signbit() | (scales > _MAX_SCALE[kind])  # -0.0 and negative NaN included, inf too
         if bool(bad.any()):
-            raise ProtocolError(f"int8 values with scale {float(scales[bad][0])} (an encoder sends 0 to "
-                                f"{INT8_MAX_SCALE}, or NaN)")  # fmt: skip
-        if bool((message[head:] == 0x80).any()):
-            raise ProtocolError("int8 values carry the code -128 (an encoder rounds to -127..127)")
+            raise ProtocolError(f"{kind} values with scale {float(scales[bad][0])} (an encoder sends 0 to "
+                                f"{_MAX_SCALE[kind]}, or NaN)")  # fmt: skip
+        codes = message[head:]
+        if bool(((codes == 0x80) if kind == "int8" else ((codes & 0x0F) == 0x08) | ((codes & 0xF0) == 0x80)).any()):
+            lowest = -_LEVELS[kind] - 1
+            raise ProtocolError(f"{kind} values carry the code {lowest} (an encoder rounds to "
+                                f"{-_LEVELS[kind]}..{_LEVELS[kind]})")  # fmt: skip
         return decode_tensor(config, message, dtype, numel)
     if data.nbytes != 2 * numel:
         raise ProtocolError(f"{kind} values of {numel} elements carry {data.nbytes} bytes, not {2 * numel}")
@@ -272,42 +281,65 @@ def decode_tensor(config: GradientCompression, data: torch.Tensor | None, dtype:
         return torch.empty(0, dtype=dtype)
     if config.type == "2bit":
         return _unpack_2bit(data, config.threshold, numel, dtype)
-    if config.type == "int8":
-        return _decode_int8(data, [numel], dtype)
+    if config.type in _LEVELS:
+        return _decode_blocks(config.type, data, [numel], dtype)
     return data.to(dtype)
 
 
-INT8_SCALE_BYTES = 4  # an int8 message starts with its blocks' float32 scales
-INT8_BLOCK = 64  # elements per scale: an outlier coarsens its own block only, for 1/16 more bytes
-# the largest scale whose code 127 stays finite in float32 (float32's largest / 127 rounds up): of a
-# block with larger values the residual keeps what 127 x this scale leaves out
-INT8_MAX_SCALE = float(torch.nextafter(torch.tensor(_FLOAT32_MAX / 127, dtype=torch.float32), torch.tensor(0.0)))
+SCALE_BYTES = 4  # an int8 or int4 message starts with its blocks' float32 scales
+BLOCK = 64  # elements per scale: an outlier coarsens its own block only, for 1/16 more bytes (int8)
+_LEVELS = {"int8": 127, "int4": 7}  # the largest code: codes run -levels..levels (never the lowest, -levels - 1)
+# the largest scale whose top code stays finite in float32 (float32's largest / levels, rounded
+# down): of a block with larger values the residual keeps what levels x this scale leaves out
+_MAX_SCALE = {kind: float(torch.nextafter(torch.tensor(_FLOAT32_MAX / levels, dtype=torch.float32), torch.tensor(0.0)))
+              for kind, levels in _LEVELS.items()}
 
 
-def _encode_int8(joined: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """``joined``, parts of ``sizes`` elements, as bytes: a float32 scale per block (``_Int8Blocks``:
-    its largest magnitude / 127), then every element / its block's scale rounded to int8; ``joined``
-    keeps the rounding error. A block with a value that is not finite (or, in float64, beyond
-    float32's range) gets scale NaN: all of it arrives as NaN, and its residual restarts at 0, so that
-    a later finite gradient is sent whole. A dozen ops whatever the parts (they run once per
-    collective, on the scheduler's thread, beside the step's compute)."""
-    blocks = _int8_blocks(tuple(sizes))
+def _encode_blocks(kind: str, joined: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``joined``, parts of ``sizes`` elements, as bytes: a float32 scale per block (``_Blocks``: its
+    largest magnitude / the kind's top code), then every element / its block's scale rounded to a
+    code (int8: a byte each; int4: two per byte, the first in the low half); ``joined`` keeps the
+    rounding error. A block with a value that is not finite (or, in float64, beyond float32's range)
+    gets scale NaN: all of it arrives as NaN, and its residual restarts at 0, so that a later finite
+    gradient is sent whole. A dozen ops whatever the parts (they run once per collective, on the
+    scheduler's thread, beside the step's compute)."""
+    blocks = _blocks(tuple(sizes))
     if not joined.numel():
         return torch.empty(0, dtype=torch.uint8)
+    levels = _LEVELS[kind]
     # every block's largest magnitude (max propagates NaN); beyond float32's range: inf, so scale NaN
-    scales = blocks.maxima(joined.abs()).to(torch.float32).div_(127)
-    scales.masked_fill_(~scales.isfinite(), math.nan).clamp_(max=INT8_MAX_SCALE)  # 127 x scale stays finite
+    scales = blocks.maxima(joined.abs()).to(torch.float32).div_(levels)
+    scales.masked_fill_(~scales.isfinite(), math.nan).clamp_(max=_MAX_SCALE[kind])  # the top code stays finite
     # per element, its block's float32 scale, as the receivers read it: the residual is exactly what they miss
     wide = blocks.per_element(scales.to(joined.dtype))
-    # 0 / 0 (a zero block) and x / NaN give NaN: code 0; |x| / scale <= 127 elsewhere, clamped against rounding
-    codes = (joined / wide).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-127, 127)
+    # 0 / 0 (a zero block) and x / NaN give NaN: code 0; |x| / scale <= levels elsewhere, clamped against rounding
+    codes = (joined / wide).nan_to_num_(0.0, 0.0, 0.0).round_().clamp_(-levels, levels)
     # not addcmul_: its fused multiply-add would round differently from the receivers' codes * scale
     joined.sub_(codes * wide).nan_to_num_(0.0, 0.0, 0.0)  # a block with scale NaN keeps 0
-    return torch.cat([scales.view(torch.uint8), codes.to(torch.int8).view(torch.uint8)])
+    packed = codes.to(torch.int8).view(torch.uint8)
+    if kind == "int4":
+        packed = _pack_nibbles(packed)
+    return torch.cat([scales.view(torch.uint8), packed])
 
 
-class _Int8Blocks:
-    """How parts of some sizes are cut into int8 blocks: each part into blocks of ``INT8_BLOCK``
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in -7..7 (as uint8) two per byte, 4-bit two's complement, the first in the low half;
+    an odd count's last byte padded with code 0."""
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    return (pairs[:, 0] & 0x0F) | (pairs[:, 1] << 4)  # uint8: the shift drops the high half's sign bits
+
+
+def _unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """``_pack_nibbles``' bytes back to ``numel`` int8 codes (the arithmetic shifts extend each sign)."""
+    low = (packed << 4).view(torch.int8) >> 4
+    high = packed.view(torch.int8) >> 4
+    return torch.stack([low, high], dim=1).view(-1)[:numel]
+
+
+class _Blocks:
+    """How parts of some sizes are cut into int8 / int4 blocks: each part into blocks of ``BLOCK``
     elements, its last one shorter (an empty part has none); blocks never straddle two parts."""
 
     __slots__ = ("count", "numel", "_whole", "_block_of_element")
@@ -317,7 +349,7 @@ class _Int8Blocks:
         self.numel = sum(sizes)
         # one part: its whole blocks are a view (a parameter-server push, up to millions of elements);
         # several (a collective's fused slices): each element's block, for one gather
-        self._whole = sizes[0] // INT8_BLOCK * INT8_BLOCK if len(sizes) == 1 else None
+        self._whole = sizes[0] // BLOCK * BLOCK if len(sizes) == 1 else None
         self._block_of_element = None if len(sizes) == 1 else torch.repeat_interleave(
             torch.arange(self.count), torch.tensor([length for size in sizes for length in _lengths(size)], dtype=torch.int64))
 
@@ -326,7 +358,7 @@ class _Int8Blocks:
         if self._block_of_element is not None:  # one scatter: about 3x faster than segment_reduce on CPU
             return magnitudes.new_zeros(self.count).scatter_reduce_(0, self._block_of_element, magnitudes, "amax")
         whole = self._whole
-        maxima = magnitudes[:whole].view(-1, INT8_BLOCK).amax(dim=1)
+        maxima = magnitudes[:whole].view(-1, BLOCK).amax(dim=1)
         return maxima if whole == self.numel else torch.cat([maxima, magnitudes[whole:].amax().view(1)])
 
     def per_element(self, values: torch.Tensor) -> torch.Tensor:
@@ -335,48 +367,50 @@ class _Int8Blocks:
             return values.index_select(0, self._block_of_element)
         whole = self._whole
         assert whole is not None
-        full = whole // INT8_BLOCK
-        spread = values[:full, None].expand(full, INT8_BLOCK).reshape(-1)
+        full = whole // BLOCK
+        spread = values[:full, None].expand(full, BLOCK).reshape(-1)
         return spread if whole == self.numel else torch.cat([spread, values[full:].expand(self.numel - whole)])
 
 
 def _block_count(size: int) -> int:
-    return -(-size // INT8_BLOCK)  # the last block shorter
+    return -(-size // BLOCK)  # the last block shorter
 
 
 def _lengths(size: int) -> list[int]:
-    whole, rest = divmod(size, INT8_BLOCK)
-    return [INT8_BLOCK] * whole + ([rest] if rest else [])
+    whole, rest = divmod(size, BLOCK)
+    return [BLOCK] * whole + ([rest] if rest else [])
 
 
-def _int8_blocks(sizes: tuple[int, ...]) -> _Int8Blocks:
-    """The int8 blocks of parts of ``sizes``: one part's made each time (a peer may send any size, and
+def _blocks(sizes: tuple[int, ...]) -> _Blocks:
+    """The blocks of parts of ``sizes``: one part's made each time (a peer may send any size, and
     they are cheap); several parts' cached, since a step repeats its collectives' groupings, up to
     ``_CACHED_ELEMENTS`` elements (each entry holds an int64 per element)."""
     if len(sizes) == 1 or sum(sizes) > _CACHED_ELEMENTS:
-        return _Int8Blocks(sizes)
-    return _int8_blocks_of_parts(sizes)
+        return _Blocks(sizes)
+    return _blocks_of_parts(sizes)
 
 
 _CACHED_ELEMENTS = 1 << 20  # 8 MiB of block indices per cache entry at most
 
 
 @functools.lru_cache(maxsize=16)  # a step's groupings, at 128 MiB at most (not every tuner trial's)
-def _int8_blocks_of_parts(sizes: tuple[int, ...]) -> _Int8Blocks:
-    return _Int8Blocks(sizes)
+def _blocks_of_parts(sizes: tuple[int, ...]) -> _Blocks:
+    return _Blocks(sizes)
 
 
-def int8_bytes(numel: int) -> int:
-    """Bytes of one part of ``numel`` elements in int8: a float32 scale per block, a byte per element."""
-    return INT8_SCALE_BYTES * _block_count(numel) + numel
+def block_bytes(kind: str, numel: int) -> int:
+    """Bytes of one part of ``numel`` elements in int8 or int4: a float32 scale per block, then a
+    byte (int8) or half a byte (int4, the count rounded up) per element."""
+    return SCALE_BYTES * _block_count(numel) + (numel if kind == "int8" else (numel + 1) // 2)
 
 
-def _decode_int8(data: torch.Tensor, sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """``_encode_int8``'s bytes (a uint8 tensor at any offset) back to the parts' values, joined."""
-    blocks = _int8_blocks(tuple(sizes))
-    head = INT8_SCALE_BYTES * blocks.count
+def _decode_blocks(kind: str, data: torch.Tensor, sizes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``_encode_blocks``' bytes (a uint8 tensor at any offset) back to the parts' values, joined."""
+    blocks = _blocks(tuple(sizes))
+    head = SCALE_BYTES * blocks.count
     scales = data[:head].clone().view(torch.float32).to(dtype)  # cloned: aligned for the float view
-    return data[head:].view(torch.int8).to(dtype).mul_(blocks.per_element(scales))
+    codes = data[head:].view(torch.int8) if kind == "int8" else _unpack_nibbles(data[head:], blocks.numel)
+    return codes.to(dtype).mul_(blocks.per_element(scales))
 
 
 def _pack_2bit(codes: torch.Tensor) -> torch.Tensor:

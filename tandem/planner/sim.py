@@ -237,7 +237,7 @@ class Strategy:
     mode: Mode = "p3"
     slice_size: int = 40_000  # elements per slice (p3, collective)
     water_mark: int = 10  # requests in flight per worker (p3), collectives in flight (collective)
-    compression: str = "none"  # none, fp16, bf16, int8, 2bit: pushes (and all-reduce) shrink by its ratio
+    compression: str = "none"  # none, fp16, bf16, int8, int4, 2bit: pushes (and all-reduce) shrink by its ratio
     update_on: Literal["servers", "workers"] = "servers"  # workers: the pulled sums are compressed too
     bucket_bytes: int = 25 * 2**20  # allreduce: DDP's bucket size
     send_bucket_elements: int = -1  # collective: finished gradients a send waits for (-1: one slice; 0: none)
@@ -938,7 +938,7 @@ class _CollectiveSim:
 
     A collective (a round too) takes ``allreduce_seconds`` on the ring and its worker's CPU ``2 (W-1)``
     steps of a send and a receive (``single_message_s`` each, ``byte_s`` per byte); fp16 and bf16
-    slices are all-reduced in 16 bits, int8 and 2-bit codes all-gathered (``allgather_seconds``, ``W-1`` steps). It ends
+    slices are all-reduced in 16 bits, int8, int4 and 2-bit codes all-gathered (``allgather_seconds``, ``W-1`` steps). It ends
     once both are done. That CPU shares the worker's cores with its compute (``CPU``; on a shared
     host each worker has ``cores / W`` of them), so communication slows compute where cores are
     few. Every wait of the compute is exposed communication (``idle_s`` is 0): rounds, the ring and

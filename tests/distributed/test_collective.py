@@ -97,9 +97,9 @@ def test_more_workers_equal_one_process(workers: int, model: str, tmp_path: Path
 
 
 def test_compression_trains(tmp_path: Path) -> None:
-    """fp16, bf16, int8 and 2-bit with error feedback (one after the other in one job, the mlp on a
-    fixed batch): the loss falls to under half, and every worker holds the same parameters."""
-    kinds = ("fp16", "bf16", "int8", "2bit:0.02")
+    """fp16, bf16, int8, int4 and 2-bit with error feedback (one after the other in one job, the mlp on
+    a fixed batch): the loss falls to under half, and every worker holds the same parameters."""
+    kinds = ("fp16", "bf16", "int8", "int4", "2bit:0.02")
     run_job("collective.py", 2, 0, str(tmp_path), "mlp", "30", "16", "p3", ",".join(kinds),
             env={"TANDEM_KVSTORE_SLICE_THRESHOLD": "50"})  # fmt: skip
     results = _results(tmp_path, 2)

@@ -397,7 +397,8 @@ def _compressed_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignor
     kv.init("w", torch.zeros(10))
     header = Header(Command.PUSH, 0, Role.WORKER, rank, key="w", dtype=torch.float32, shape=(10,), slice_stop=10,
                     compressed=True)  # fmt: skip
-    two_bit, int8 = DESCRIPTOR.pack(KINDS["2bit"], 0.5), DESCRIPTOR.pack(KINDS["int8"], 0.0)
+    two_bit = DESCRIPTOR.pack(KINDS["2bit"], 0.5)
+    int8, int4 = DESCRIPTOR.pack(KINDS["int8"], 0.0), DESCRIPTOR.pack(KINDS["int4"], 0.0)
     cases = {
         "carry 2 bytes, not 3": [two_bit, b"\0\0"],
         "unknown gradient compression code 9": [DESCRIPTOR.pack(9, 0.5), b"\0\0\0"],
@@ -407,6 +408,8 @@ def _compressed_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignor
         "int8 values with scale inf": [int8, struct.pack("<f", float("inf")) + b"\0" * 10],
         "int8 values with scale -1.0": [int8, struct.pack("<f", -1.0) + b"\0" * 10],
         "int8 values carry the code -128": [int8, struct.pack("<f", 1.0) + b"\x80" + b"\0" * 9],
+        "int4 values of 10 elements carry 10 bytes, not 9": [int4, b"\0" * 10],
+        "int4 values carry the code -8": [int4, struct.pack("<f", 1.0) + b"\x80" + b"\0" * 4],
     }
     for problem, frames in cases.items():
         try:
@@ -415,11 +418,11 @@ def _compressed_errors(kv, rank: int) -> dict[str, torch.Tensor]:  # type: ignor
             assert problem in str(error) and "push of key 'w'" in str(error), (problem, error)
         else:
             raise AssertionError(f"a compressed push with {frames} was accepted; expected {problem!r}")
-    for kind, value in (("fp16", 0.5), ("int8", 127.0)):  # the server still serves: a well-formed push sums
+    for kind, value in (("fp16", 0.5), ("int8", 127.0), ("int4", 7.0)):  # the server still serves: a well-formed push sums
         kv.set_gradient_compression(kind)
         out = torch.empty(10)
         kv.pushpull("w", torch.full((10,), value), out=out).wait(timeout=60)
-        assert torch.equal(out, torch.full((10,), value)), (kind, out)  # no optimizer: the sum, exact (int8: scale 1)
+        assert torch.equal(out, torch.full((10,), value)), (kind, out)  # no optimizer: the sum, exact (int8, int4: scale 1)
     return {}
 
 

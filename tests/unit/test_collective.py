@@ -100,7 +100,7 @@ def test_push_then_pull_and_lists_of_keys() -> None:
         assert torch.equal(a, torch.full((3, 5), 2.0)) and torch.equal(b, 2 * torch.arange(20, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("kind", ["fp16", "bf16", "2bit:0.5", "int8"])
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "2bit:0.5", "int8", "int4"])
 def test_compressed_sums_are_the_same_everywhere_and_feed_back_errors(kind: str) -> None:
     """Every worker gets the same sum of the compressed pushes; what a push left out comes in later ones.
     A float64 key too: its 16-bit sums widen into float64 targets, its codes decode to float64."""
@@ -123,7 +123,7 @@ def test_compressed_sums_are_the_same_everywhere_and_feed_back_errors(kind: str)
     for key, dtype in enumerate((torch.float32, torch.float64)):
         sent = torch.stack([sums[key] for sums in first]).mean(0)  # error feedback: on average, the gradient
         assert sent.dtype == dtype
-        # each worker's residual stays under the threshold (2bit) or a rounding error (fp16, bf16)
+        # each worker's residual stays under the threshold (2bit) or a rounding error (fp16, bf16, int8, int4)
         assert (sent - exact.to(dtype)).abs().max() <= (2 * 0.5 / 8 if kind.startswith("2bit") else 1e-2), (sent, exact)
 
 
@@ -280,7 +280,7 @@ def test_a_round_the_job_failed_during_issues_nothing() -> None:
     assert scheduler._state.issued == 0 and not scheduler._ready
 
 
-@pytest.mark.parametrize("kind", [None, "fp16", "2bit:0.5", "int8"])
+@pytest.mark.parametrize("kind", [None, "fp16", "2bit:0.5", "int8", "int4"])
 def test_small_slices_requested_together_share_collectives(kind: str | None) -> None:
     """Keys pushed in one batched() block reach the scheduler together; their slices, queued one behind
     the other, share collectives while they fit in one slice, and every sum still lands in its key."""
@@ -314,8 +314,9 @@ def test_small_slices_requested_together_share_collectives(kind: str | None) -> 
                 assert torch.equal(one, exact), (size, step)
             elif kind == "fp16":
                 assert torch.allclose(one, exact, rtol=1e-3, atol=1e-3), (size, step)
-            elif kind == "int8" and size:  # each block its own scale: within a 127th of the largest value
-                assert (one - exact).abs().max() <= exact.abs().max() / 127 * 2, (size, step)
+            elif kind in ("int8", "int4") and size:  # each block its own scale: within a 127th (a 7th) of the largest value
+                levels = 127 if kind == "int8" else 7
+                assert (one - exact).abs().max() <= exact.abs().max() / levels * 2, (size, step)
 
 
 def test_requests_of_a_batched_block_fail_with_the_store_and_waits_inside_it_are_refused() -> None:

@@ -10,8 +10,8 @@ import torch
 
 from tandem.kvstore import LocalKVStore
 from tandem.kvstore.compression import (
+    BLOCK,
     DESCRIPTOR,
-    INT8_BLOCK,
     KINDS,
     Compressor,
     GradientCompression,
@@ -91,37 +91,44 @@ def test_fp16_summed_over_workers_is_clamped_so_the_sum_stays_finite() -> None:
     assert summable(config) and summable(GradientCompression("bf16")) and not summable(GradientCompression("2bit"))
 
 
-@pytest.mark.parametrize(("kind", "nbytes"), [("2bit", 10_000), ("fp16", 80_000), ("bf16", 80_000), ("int8", 42_500)])
+@pytest.mark.parametrize(("kind", "nbytes"), [("2bit", 10_000), ("fp16", 80_000), ("bf16", 80_000), ("int8", 42_500), ("int4", 22_500)])
 def test_bytes_on_the_wire(kind: str, nbytes: int) -> None:
     config = GradientCompression(kind)
     frames = Compressor(config).encode("k", torch.randn(40_000), 0, 40_000)
-    assert frames[1].nbytes == nbytes == 40_000 * 4 / config.ratio  # int8: a float32 scale per 64 elements
+    assert frames[1].nbytes == nbytes == 40_000 * 4 / config.ratio  # int8, int4: a float32 scale per 64 elements
     assert _frames_bytes(frames) == frames[1].nbytes + DESCRIPTOR.size
 
 
+@pytest.mark.parametrize(("kind", "levels"), [("int8", 127), ("int4", 7)])
 @pytest.mark.parametrize("numel", [0, 1, 5, 64, 1001])
-def test_int8_sends_each_element_to_a_254th_of_its_blocks_largest_and_keeps_the_rest(numel: int) -> None:
-    compressor = Compressor(GradientCompression("int8"))
+def test_block_codes_send_each_element_to_its_blocks_largest_over_levels_and_keep_the_rest(kind: str, levels: int,
+                                                                                           numel: int) -> None:
+    compressor = Compressor(GradientCompression(kind))
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, numel)
     frames = compressor.encode("k", grad, 0, numel)
-    blocks = -(-numel // INT8_BLOCK)  # the last one shorter
-    assert frames[1].nbytes == 4 * blocks + numel  # a float32 scale per block, then a byte per element
+    blocks = -(-numel // BLOCK)  # the last one shorter
+    code_bytes = numel if kind == "int8" else (numel + 1) // 2  # int4: two codes per byte
+    assert frames[1].nbytes == 4 * blocks + code_bytes  # a float32 scale per block, then the codes
     sent = decode(frames, torch.float32, numel)
     residual = compressor.residual("k")
     assert residual is not None and torch.equal(sent + residual, grad)  # exactly: what is not sent stays
-    for start in range(0, numel, INT8_BLOCK):  # each block to its own scale: small values are not lost to large ones
-        block = slice(start, start + INT8_BLOCK)
-        scale = float(grad[block].abs().max()) / 127
+    for start in range(0, numel, BLOCK):  # each block to its own scale: small values are not lost to large ones
+        block = slice(start, start + BLOCK)
+        scale = float(grad[block].abs().max()) / levels
         assert residual[block].abs().max() <= scale / 2 * (1 + 1e-6)  # rounded to the nearest code
-        assert float(sent[block].abs().max()) == pytest.approx(127 * scale)
+        assert float(sent[block].abs().max()) == pytest.approx(levels * scale)
+        codes = sent[block] / (float(sent[block].abs().max()) / levels)  # every code an integer in -levels..levels
+        torch.testing.assert_close(codes, codes.round(), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_int8_error_feedback_is_exact_over_blocks_and_parts_up_to_float32s_largest(dtype: torch.dtype) -> None:
+def test_block_code_error_feedback_is_exact_over_blocks_and_parts_up_to_float32s_largest(kind: str,
+                                                                                          dtype: torch.dtype) -> None:
     """sent + residual is the total exactly, over several parts of several blocks each, float32's largest
-    value included (its block's scale is capped so that 127 codes stay finite: the rest waits)."""
-    config, generator = GradientCompression("int8"), torch.Generator().manual_seed(2)
-    sizes = [130, 1, 64, 200]
+    value included (its block's scale is capped so that the top code stays finite: the rest waits)."""
+    config, generator = GradientCompression(kind), torch.Generator().manual_seed(2)
+    sizes = [130, 1, 64, 200, 3]  # int4: odd counts share bytes across parts
     parts = [torch.randn(size, generator=generator, dtype=dtype) * 10.0 ** torch.randint(-6, 6, (size,), generator=generator)
              for size in sizes]  # fmt: skip
     parts[3][5] = torch.finfo(torch.float32).max
@@ -131,24 +138,25 @@ def test_int8_error_feedback_is_exact_over_blocks_and_parts_up_to_float32s_large
     assert torch.equal(sent + torch.cat(totals), torch.cat(parts))
 
 
+@pytest.mark.parametrize(("kind", "top"), [("int8", 127.0), ("int4", 7.0)])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_int8_of_zeros_and_of_a_value_that_is_not_finite(bad: float) -> None:
-    config = GradientCompression("int8")
+def test_block_codes_of_zeros_and_of_a_value_that_is_not_finite(kind: str, top: float, bad: float) -> None:
+    config = GradientCompression(kind)
     assert decode_parts(config, encode_into_residual(config, torch.zeros(4)), [4], torch.float32).tolist() == [0.0] * 4
-    parts = [torch.tensor([1.0, bad]), torch.tensor([3.0, -127.0])]  # scale 1: exact codes
+    parts = [torch.tensor([1.0, bad]), torch.tensor([3.0, -top])]  # scale 1: exact codes
     sent = decode_parts(config, encode_parts(config, parts), [2, 2], torch.float32)
-    assert sent[:2].isnan().all() and sent[2:].tolist() == [3.0, -127.0]  # the other part is intact
+    assert sent[:2].isnan().all() and sent[2:].tolist() == [3.0, -top]  # the other part is intact
     assert parts[0].tolist() == [0.0, 0.0]  # a residual that restarts: a later finite gradient is sent whole
-    long = torch.ones(2 * INT8_BLOCK)
+    long = torch.ones(2 * BLOCK)
     long[-1] = bad
     sent = decode_parts(config, encode_into_residual(config, long), [long.numel()], torch.float32)
-    assert sent[INT8_BLOCK:].isnan().all() and sent[:INT8_BLOCK].tolist() == [1.0] * INT8_BLOCK  # per block
+    assert sent[BLOCK:].isnan().all() and sent[:BLOCK].tolist() == [1.0] * BLOCK  # per block
 
 
-@pytest.mark.parametrize("kind", ["fp16", "bf16", "2bit:0.1", "int8"])
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "2bit:0.1", "int8", "int4"])
 def test_parts_encoded_together_decode_to_each_part_encoded_alone(kind: str) -> None:
     """The collective store encodes the slices sharing a collective as one message: the values and
-    residuals are those of each slice encoded alone (int8's blocks never straddle two slices)."""
+    residuals are those of each slice encoded alone (int8's and int4's blocks never straddle two slices)."""
     config = GradientCompression.parse(kind)
     generator = torch.Generator().manual_seed(1)
     sizes = [3, 1, 40, 7, 130]  # int8: the last one three blocks, 64 + 64 + 2
@@ -161,7 +169,7 @@ def test_parts_encoded_together_decode_to_each_part_encoded_alone(kind: str) -> 
     torch.testing.assert_close(decode_parts(config, sent, sizes, torch.float32), expected, rtol=0, atol=0)
     for one, other in zip(together, alone):
         torch.testing.assert_close(one, other, rtol=0, atol=0)
-    if kind == "int8":  # at any offset in a gathered buffer
+    if kind in ("int8", "int4"):  # at any offset in a gathered buffer
         shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), sent])[3:]
         assert torch.equal(decode_parts(config, shifted, sizes, torch.float32), expected)
 
@@ -210,6 +218,11 @@ def _frames(code: int, threshold: float, data: bytes) -> list[memoryview]:
         (_frames(KINDS["int8"], 0.0, struct.pack("<2f", 1.0, float("inf")) + b"\x01" * 65), torch.float32, 65, "scale inf"),
         (_frames(KINDS["int8"], 0.0, struct.pack("<f", -0.0) + b"\x00"), torch.float32, 1, "scale -0.0"),
         (_frames(KINDS["int8"], 0.0, struct.pack("<2f", 1.0, 1.0) + b"\x01" * 64 + b"\x80"), torch.float32, 65, "code -128"),
+        (_frames(KINDS["int4"], 0.0, struct.pack("<f", 1.0) + b"\x01"), torch.float32, 3, "carry 5 bytes, not 6"),
+        (_frames(KINDS["int4"], 0.0, struct.pack("<f", 1.0) + b"\x08"), torch.float32, 2, "code -8"),
+        (_frames(KINDS["int4"], 0.0, struct.pack("<f", 1.0) + b"\x17\x81"), torch.float32, 4, "code -8"),
+        (_frames(KINDS["int4"], 0.0, struct.pack("<f", 2.5e38) + b"\x01"), torch.float32, 1, "scale 2.5"),
+        (_frames(KINDS["int4"], 0.0, struct.pack("<f", -0.0) + b"\x00"), torch.float32, 1, "scale -0.0"),
     ],
 )
 def test_malformed_frames_are_rejected_with_the_reason(

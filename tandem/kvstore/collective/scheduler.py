@@ -273,7 +273,7 @@ class Scheduler:
         compression = first.operation.compression
         finish: Callable[[], None]
         if compression is not None:
-            summed = summable(compression)  # 16-bit floats are all-reduced as they are; int8, 2-bit codes all-gathered
+            summed = summable(compression)  # 16-bit floats are all-reduced as they are; int8, int4, 2-bit codes all-gathered
             totals = add_to_residuals(self._residuals, [(part.operation.index, part.operation.value, part.start, part.stop)
                                                         for part in unit])  # fmt: skip
             sent = encode_parts(compression, totals, self.size if summed else 1)  # the unit's slices as one message

@@ -12,9 +12,9 @@ pushes, which ``pushpull`` writes into ``out`` and ``pull`` returns. Optimizers 
 parameters stay identical everywhere). Gradient compression compresses each worker's slice (with
 its error-feedback residual). fp16 and bf16 slices are all-reduced in 16 bits, as DDP's fp16 and
 bf16 hooks do (fp16 values clamped so that the sum of every worker's stays in range); the
-all-reduce gives every worker the same sum. int8 and 2-bit codes cannot be summed as they are:
+all-reduce gives every worker the same sum. int8, int4 and 2-bit codes cannot be summed as they are:
 those slices are all-gathered, and every worker decodes and sums the same values in rank order.
-Slices that share a collective are encoded as one message (int8 blocks never straddle two slices). ``slice_size="auto"`` tunes the slice size,
+Slices that share a collective are encoded as one message (int8 and int4 blocks never straddle two slices). ``slice_size="auto"`` tunes the slice size,
 water mark and send timing with P3's tuner, its scores averaged over the workers through the
 rendezvous store, so that every worker switches at the same step.
 """

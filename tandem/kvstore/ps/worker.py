@@ -204,7 +204,7 @@ class DistKVStore(KVStore):
 
     def set_gradient_compression(self, params: GradientCompression | dict[str, Any] | str | None) -> None:
         """Compress this worker's pushes from now on (``tandem.kvstore.compression``): ``{"type": "2bit",
-        "threshold": 0.5}`` (MXNet's form), ``"fp16"``, ``"bf16"``, ``"int8"``, or None / ``"none"`` to stop.
+        "threshold": 0.5}`` (MXNet's form), ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"``, or None / ``"none"`` to stop.
 
         Not collective: servers decode whatever arrives. Call it on every worker before the first push
         so that all workers' gradients are treated alike. Residuals start at zero (stopping drops them).
