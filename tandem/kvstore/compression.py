@@ -289,8 +289,8 @@ def decode_tensor(config: GradientCompression, data: torch.Tensor | None, dtype:
 SCALE_BYTES = 4  # an int8 or int4 message starts with its blocks' float32 scales
 BLOCK = 64  # elements per scale: an outlier coarsens its own block only, for 1/16 more bytes (int8)
 _LEVELS = {"int8": 127, "int4": 7}  # the largest code: codes run -levels..levels (never the lowest, -levels - 1)
-# the largest scale whose top code stays finite in float32 (float32's largest / levels, rounded
-# down): of a block with larger values the residual keeps what levels x this scale leaves out
+# a scale whose top code stays finite in float32 (float32's largest / levels, one float below):
+# of a block with larger values the residual keeps what levels x this scale leaves out
 _MAX_SCALE = {kind: float(torch.nextafter(torch.tensor(_FLOAT32_MAX / levels, dtype=torch.float32), torch.tensor(0.0)))
               for kind, levels in _LEVELS.items()}
 

@@ -127,7 +127,7 @@ def test_compressed_sums_are_the_same_everywhere_and_feed_back_errors(kind: str)
         assert (sent - exact.to(dtype)).abs().max() <= (2 * 0.5 / 8 if kind.startswith("2bit") else 1e-2), (sent, exact)
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int8", "2bit:0.5"])
+@pytest.mark.parametrize("kind", ["fp16", "int8", "int4", "2bit:0.5"])
 def test_two_pushes_of_a_key_in_one_collective_are_counted_once(kind: str) -> None:
     """Two operations of one key share a residual: encoded in one message they would count it twice,
     so a compressed unit takes one operation per key."""
