@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -141,12 +142,25 @@ def test_torchrun_restarts_the_job_and_it_resumes_exactly(
 
 
 @pytest.mark.parametrize("fails_in", [1, 3])
-def test_launch_restarts_until_an_attempt_finishes_or_gives_up(fails_in: int) -> None:
+def test_launch_restarts_until_an_attempt_finishes_or_gives_up(fails_in: int, tmp_path: Path) -> None:
     """A job whose worker 1 fails in its first ``fails_in`` attempts, under --max-restarts 2: each attempt
     gets its number; 1 failure: the second attempt finishes (exit 0); 3: all three fail (its exit code)."""
-    script = ("import os, sys; attempt = int(os.environ['TANDEM_RESTART_ATTEMPT']); "
-              "print('attempt', attempt, flush=True); "
-              f"sys.exit(3 if os.environ['TANDEM_RANK'] == '1' and attempt < {fails_in} else 0)")  # fmt: skip
+    # worker 1 fails only once worker 0 has printed its attempt: failing first, it would have the
+    # launcher stop worker 0 before that line, which the assertions below look for
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from pathlib import Path
+        attempt, rank = int(os.environ["TANDEM_RESTART_ATTEMPT"]), os.environ["TANDEM_RANK"]
+        print("attempt", attempt, flush=True)
+        printed = Path({str(tmp_path)!r}) / f"worker-0-printed-{{attempt}}"
+        if rank == "0":
+            printed.touch()
+        fails = rank == "1" and attempt < {fails_in}
+        deadline = time.monotonic() + 30
+        while fails and not printed.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sys.exit(3 if fails else 0)
+    """)
     command = [sys.executable, "-m", "tandem.launch", "-n", "2", "-s", "0", "--grace", "1", "--max-restarts", "2",
                "--", sys.executable, "-c", script]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
