@@ -56,6 +56,10 @@ _declare("TANDEM_FAST_BERNOULLI", bool, True,
 _declare("TANDEM_CAPTURE_CACHE", bool, True,
          "keep captured step graphs on disk (under inductor's cache directory) and load them in later processes "
          "instead of tracing the same model and batch shapes again (0: always trace)")
+_declare("TANDEM_UNIT_CACHE", bool, True,
+         "inductor backend: remember which of inductor's cached compilations each compiled unit is, so that a later "
+         "process loads its kernels without inductor hashing the unit's graph again (0: look them up through "
+         "inductor's caches)")
 # mirroring
 _declare("TANDEM_MIRROR", str, "off", "backward mirroring policy: off, all, sqrt, memory-aware, a fraction, or '300MB'")
 # kvstore

@@ -147,9 +147,11 @@ class Executor:
         return all(not isinstance(s.function, InductorSegment) or s.function.is_compiled for s in self.segments)
 
     def compile_report(self) -> dict[str, Any]:
-        """Backend, seconds spent compiling, and the segments that fell back to aten (with why)."""
+        """Backend, seconds spent compiling, the units loaded from the unit index (not compiled), and the
+        segments that fell back to aten (with why)."""
         compiled = [s.function for s in self.segments if isinstance(s.function, InductorSegment)]
         return {"backend": self.backend, "compile_s": sum(c.compile_seconds for c in compiled),
+                "units_loaded": sum(c.loaded for c in compiled),
                 "fallbacks": {c.name: c.fallback_reason for c in compiled if c.fallback_reason is not None}}
 
     # -- planning the program ----------------------------------------------------------------

@@ -216,7 +216,8 @@ class TrainStep:
 
         Keys: ``backend``; ``capture_s`` (tracing the module and its backward, or loading that
         graph from the capture cache); ``plan_s`` (the passes); ``compile_s`` (the inductor
-        backend compiling its segments; 0 for aten); ``fallbacks`` (segment -> why it runs its
+        backend compiling its segments, or loading them; 0 for aten); ``units_loaded`` (compiled
+        units loaded through the unit index instead of compiled); ``fallbacks`` (segment -> why it runs its
         aten code: inductor could not compile it); ``capture_cache``: ``hit`` (the graph came from
         the capture cache), ``miss`` (traced, then stored), ``bypass`` (traced, not stored: hooks,
         an attribute the key cannot describe, a directory it cannot use) or ``off``.

@@ -15,6 +15,7 @@ torch.set_num_threads(1)  # the CI machine has 2 cores; tests stay predictable a
 # Every test traces its step (the processes it starts inherit this); tests/graph/test_capture_cache.py
 # turns the capture cache on in a directory of its own.
 os.environ.setdefault("TANDEM_CAPTURE_CACHE", "0")
+os.environ.setdefault("TANDEM_UNIT_CACHE", "0")  # and compiles every unit (tests/graph/test_unit_cache.py: on)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from tandem.backends import unit_cache
 from tandem.backends.program import Instruction
 from tandem.env import knob
 
@@ -103,16 +104,22 @@ def _standalone_compile(name: str, graph_module: Callable[[], fx.GraphModule], e
     Where the C++ wrapper does not compile, the Python one is tried before giving up."""
     def compile_with(patches: dict[str, Any]) -> Any:
         boxed_inputs: list[Any] = [list(example_inputs)]  # one argument, the list the compiled code empties
+        # donated: each call builds its own graph module, so inductor need not copy it
         return torch._inductor.standalone_compile(graph_module(), boxed_inputs, dynamic_shapes="from_example_inputs",
-                                                  options={"config_patches": patches})
+                                                  options={"config_patches": patches}, donate_graph_module=True)
 
-    if knob("TANDEM_INDUCTOR_CPP_WRAPPER"):
+    if _options()["cpp_wrapper"]:
         try:
             return compile_with({**OPTIONS, "cpp_wrapper": True})
         except Exception as error:  # the Python wrapper compiles what the C++ one cannot
             warnings.warn(f"tandem: inductor's C++ wrapper failed for segment {name} ({_first_line(error)}); "
                           "that segment uses its Python wrapper", RuntimeWarning, stacklevel=3)
     return compile_with(OPTIONS)
+
+
+def _options() -> dict[str, Any]:
+    """The inductor options a unit is compiled with first (the Python wrapper is the fallback)."""
+    return {**OPTIONS, "cpp_wrapper": bool(knob("TANDEM_INDUCTOR_CPP_WRAPPER"))}
 
 
 def _await_warm_up() -> None:
@@ -188,6 +195,7 @@ class InductorSegment:
         self.compiled: Callable[[list[Any]], Sequence[Any]] | None = None
         self.fallback_reason: str | None = None
         self.compile_seconds = 0.0
+        self.loaded = False  # from the unit index, not compiled
 
     @property
     def is_compiled(self) -> bool:
@@ -219,25 +227,39 @@ class InductorSegment:
                 slots[self.output_slots[k]] = value.contiguous()
 
     def compile(self, example_inputs: list[Any]) -> None:
-        """Compile with inductor for these inputs' shapes, strides and dtypes; on failure fall back to aten."""
+        """Load this unit's kernels from the unit index, else compile them with inductor for these
+        inputs' shapes, strides and dtypes (and index them); on failure fall back to aten."""
         start = time.perf_counter()
         _await_warm_up()
-        try:
-            # standalone_compile traces under a fake mode with a shape environment, which inductor's
-            # FX graph cache and AOTAutograd cache need: torch._inductor.compile bypasses both
-            self.compiled = _standalone_compile(self.name, self.graph_module, example_inputs)
-        except Exception as error:  # any compiler failure: this segment runs its exact aten code
-            self.fallback_reason = f"{_failing_op(self.nodes, error)}: {_first_line(error)}"
-            warnings.warn(f"tandem: inductor could not compile segment {self.name} ({self.fallback_reason}); "
-                          "that segment runs its aten code instead", RuntimeWarning, stacklevel=2)
+        unit_key = None
+        if unit_cache.enabled():
+            graph, constants = self._graph()
+            unit_key = unit_cache.key(graph, constants, example_inputs, _options())
+            self.compiled = unit_cache.load(unit_key) if unit_key is not None else None
+            self.loaded = self.compiled is not None
+        if self.compiled is None:
+            try:
+                # standalone_compile traces under a fake mode with a shape environment, which inductor's
+                # FX graph cache and AOTAutograd cache need: torch._inductor.compile bypasses both
+                artifact = _standalone_compile(self.name, self.graph_module, example_inputs)
+                self.compiled = artifact
+                if unit_key is not None:
+                    unit_cache.store(unit_key, artifact)
+            except Exception as error:  # any compiler failure: this segment runs its exact aten code
+                self.fallback_reason = f"{_failing_op(self.nodes, error)}: {_first_line(error)}"
+                warnings.warn(f"tandem: inductor could not compile segment {self.name} ({self.fallback_reason}); "
+                              "that segment runs its aten code instead", RuntimeWarning, stacklevel=2)
         self.compile_seconds = time.perf_counter() - start
 
     def graph_module(self) -> fx.GraphModule:
-        """The segment as ``forward(inputs: list) -> tuple``; the list is handed over (``steal_arg``).
+        """The segment as ``forward(inputs: list) -> tuple``; the list is handed over (``steal_arg``)."""
+        graph, constants = self._graph()
+        return fx.GraphModule(constants, graph)
 
-        A tensor in a node's arguments (a constant the model made: ``torch.tensor([])`` under
-        ``lift_fresh_copy``) becomes an attribute of the module read by a ``get_attr`` node, as the
-        generated code cannot spell a tensor."""
+    def _graph(self) -> tuple[fx.Graph, torch.nn.Module]:
+        """``graph_module``'s graph, and the module holding its constants: a tensor in a node's
+        arguments (a constant the model made: ``torch.tensor([])`` under ``lift_fresh_copy``) becomes
+        an attribute read by a ``get_attr`` node, as the generated code cannot spell a tensor."""
         graph, root, constants = fx.Graph(), torch.nn.Module(), 0
         boxed = graph.placeholder("inputs")
         boxed.meta["steal_arg"] = True  # inductor's wrapper empties the caller's list
@@ -272,7 +294,7 @@ class InductorSegment:
         for k in self.float_mask_outputs:  # stored as float32, so the kernels of this unit that read it load floats
             outputs[k] = graph.call_function(torch.ops.aten._to_copy.default, (outputs[k],), {"dtype": torch.float32})
         graph.output(tuple(outputs))
-        return fx.GraphModule(root, graph)
+        return graph, root
 
 
 def _first_line(error: BaseException) -> str:

@@ -34,10 +34,8 @@ import importlib.metadata
 import logging
 import os
 import site
-import stat
 import sys
 import sysconfig
-import tempfile
 import types
 import weakref
 from collections.abc import Callable
@@ -48,23 +46,23 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from tandem import cache_files
 from tandem.env import knob
 from tandem.graph.batch import BatchLayout
 from tandem.graph.train_graph import TrainGraph
 
 log = logging.getLogger(__name__)
 
+OFF_SWITCH = "TANDEM_CAPTURE_CACHE"
 FORMAT = 1  # bump when what an entry holds changes in a way tandem's source hash cannot see (torch's pickler)
 
 
 def enabled() -> bool:
-    return bool(knob("TANDEM_CAPTURE_CACHE"))
+    return bool(knob(OFF_SWITCH))
 
 
 def directory() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).absolute() / "tandem_capture"
+    return cache_files.folder("tandem_capture")
 
 
 # -- the key ------------------------------------------------------------------------------
@@ -372,12 +370,9 @@ def _package_versions(objects: list[Any]) -> dict[str, str]:
 def load(cache_key: str, module: nn.Module, loss_fn: Callable[..., Any], layout: BatchLayout) -> TrainGraph | None:
     """The TrainGraph stored under ``cache_key``, or None (a miss). Never raises: a broken entry, or
     one whose parameters differ from ``module``'s, is dropped with a warning."""
-    try:
-        path = directory() / f"{cache_key}.pkl"
-        if not path.is_file() or not _trusted(path.parent.parent) or not _trusted(path.parent) or not _trusted(path):
-            return None
-        data = path.read_bytes()
-    except OSError:  # unreadable, or removed meanwhile (another process dropped it): a miss
+    path = directory() / f"{cache_key}.pkl"
+    data = cache_files.read(path, OFF_SWITCH)
+    if data is None:
         return None
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
@@ -404,24 +399,11 @@ def store(cache_key: str, graph: TrainGraph) -> bool:
     from torch.fx._graph_pickler import GraphPickler, Options
 
     try:
-        folder = directory()
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if not _trusted(folder.parent) or not _trusted(folder):
-            return False
         data = GraphPickler.dumps(_entry(graph), Options(ops_filter=None))
-        # written whole, then renamed: a process reading at the same time sees all of it or nothing
-        handle, temporary = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        try:
-            with os.fdopen(handle, "wb") as file:
-                file.write(data)
-            os.replace(temporary, folder / f"{cache_key}.pkl")
-        finally:
-            with contextlib.suppress(OSError):
-                Path(temporary).unlink(missing_ok=True)  # gone already once renamed
-        return True
     except Exception as error:
         log.info("tandem: the captured graph was not cached (%s: %s)", type(error).__name__, error)
         return False
+    return cache_files.write(directory() / f"{cache_key}.pkl", data, OFF_SWITCH)
 
 
 def _check_parameters(graph: TrainGraph, module: nn.Module, loss_fn: Callable[..., Any]) -> None:
@@ -438,24 +420,6 @@ def _check_parameters(graph: TrainGraph, module: nn.Module, loss_fn: Callable[..
         if (tuple(value.shape), value.stride(), value.dtype) != (tuple(tensor.shape), tensor.stride(), tensor.dtype):
             raise ValueError(f"the entry's {name} is {list(value.shape)}:{value.dtype}, the model's "
                              f"{list(tensor.shape)}:{tensor.dtype}")
-
-
-_untrusted_warned: set[Path] = set()
-
-
-def _trusted(path: Path) -> bool:
-    """Owned by this user and writable by no one else: only then may its pickles be loaded (where
-    the system has user ids). Warns once per path."""
-    info = path.stat()
-    if not hasattr(os, "geteuid"):
-        return True
-    if info.st_uid == os.geteuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return True
-    if path not in _untrusted_warned:
-        _untrusted_warned.add(path)
-        log.warning("tandem: not using the capture cache at %s: it must belong to this user and be writable "
-                    "by no one else (fix its owner and mode, or set TANDEM_CAPTURE_CACHE=0)", path)
-    return False
 
 
 def _entry(graph: TrainGraph) -> dict[str, Any]:

@@ -178,7 +178,7 @@ def test_compile_report() -> None:
     module, loss_fn, batch = zoo_case("mlp", torch.float32)
     step = tandem.compile(module, loss_fn, *batch, backend="inductor")
     before = step.compile_report()
-    assert set(before) == {"backend", "compile_s", "fallbacks", "capture_s", "plan_s", "capture_cache"}
+    assert set(before) == {"backend", "compile_s", "units_loaded", "fallbacks", "capture_s", "plan_s", "capture_cache"}
     assert before["capture_cache"] == "off"  # the test suite traces every step (tests/conftest.py)
     assert before["compile_s"] == 0 and before["fallbacks"] == {}
     step(*batch)

@@ -22,7 +22,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # tandem. torchvision_compat is library code (the models' transformers wrapper needs it) that
     # still lives under testing/, whose package is a docstring: both leaves, here
     ("foundation", ("tandem", "tandem.env", "tandem.errors", "tandem.progress", "tandem.testing", "tandem.testing.torchvision_compat",
-                    "tandem.checkpoint")),  # atomic files: the trainer and the servers write checkpoints alike
+                    "tandem.checkpoint",  # atomic files: the trainer and the servers write checkpoints alike
+                    "tandem.cache_files")),  # trusted files under inductor's cache directory: capture cache, unit index
     ("trace", ("tandem.trace",)),  # the timeline the engine, the kvstore and the updates record into
     ("engine", ("tandem.engine.*",)),
     ("graph", ("tandem.graph.*",)),

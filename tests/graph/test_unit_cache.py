@@ -1,0 +1,114 @@
+"""The compiled-unit index: a unit loaded from it computes what the compiled one did; its key moves
+with what decides the kernels; a damaged, foreign or stale entry compiles the unit again."""
+
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+
+import tandem
+from tandem.backends import unit_cache
+from tests.conftest import assert_same_step, eager_step, twin, zoo_case
+
+RTOL, ATOL = 1e-4, 1e-5  # float32, against eager
+
+
+@pytest.fixture
+def index_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TANDEM_UNIT_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # inductor's entries too: a cold start
+    return tmp_path / "tandem_units"
+
+
+def _compiled(module: torch.nn.Module, loss_fn: Any, batch: tuple[Any, ...]) -> tuple[tandem.TrainStep, list[Any]]:
+    step = tandem.compile(module, loss_fn, *batch, backend="inductor")
+    results = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        results.append(step(*batch))
+    return step, results
+
+
+def test_a_later_compile_loads_every_unit_and_computes_the_same(index_dir: Path) -> None:
+    module, loss_fn, batch = zoo_case("mlp", torch.float32)
+    reference = twin(module)
+    first, first_results = _compiled(twin(module), loss_fn, batch)
+    units = len(first.executor.segments)
+    assert first.compile_report()["units_loaded"] == 0
+    assert len(list(index_dir.iterdir())) == units, "each unit indexed once"
+    second, second_results = _compiled(module, loss_fn, batch)
+    assert second.compile_report()["units_loaded"] == units and second.compile_report()["fallbacks"] == {}
+    for ours, theirs in zip(second_results, first_results):  # the same kernels: bit for bit
+        torch.testing.assert_close(ours.loss, theirs.loss, rtol=0, atol=0)
+        for name, grad in theirs.grads.items():
+            torch.testing.assert_close(ours.grads[name], grad, rtol=0, atol=0, msg=name)
+    torch.manual_seed(1)
+    assert_same_step(second_results[1], *eager_step(reference, loss_fn, batch, seed=1), rtol=RTOL, atol=ATOL)
+
+
+def test_damaged_untrusted_or_stale_entries_compile_again(index_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    module, loss_fn, batch = zoo_case("mlp", torch.float32)
+    expected = eager_step(twin(module), loss_fn, batch)
+
+    def compile_again() -> int:
+        step = tandem.compile(module, loss_fn, *batch, backend="inductor")
+        assert_same_step(step(*batch), *expected, rtol=RTOL, atol=ATOL)
+        assert step.compile_report()["fallbacks"] == {}
+        return int(step.compile_report()["units_loaded"])
+
+    _compiled(twin(module), loss_fn, batch)
+    first, second = sorted(index_dir.iterdir())
+    first.write_bytes(b"not an inductor key\n")  # damaged
+    second.chmod(0o664)  # writable by the group: not trusted
+    assert compile_again() == 0, "both compiled again (and indexed anew)"
+    assert "names no inductor entry" in caplog.text and "writable by no one else" in caplog.text
+    first.write_bytes(b"f" * 40)  # names an entry inductor does not hold (its cache emptied, say)
+    assert compile_again() == 1, "the other unit loads"
+
+
+# -- the key (no compiling) -----------------------------------------------------------------------
+
+
+def _unit(constant: torch.Tensor | None = None, alpha: float = 1.0) -> tuple[fx.Graph, torch.nn.Module]:
+    graph, holder = fx.Graph(), torch.nn.Module()
+    inputs = graph.placeholder("inputs")
+    x, y = (graph.call_function(operator.getitem, (inputs, k)) for k in range(2))
+    total = graph.call_function(torch.ops.aten.add.Tensor, (x, y), {"alpha": alpha})
+    if constant is not None:
+        holder.register_buffer("_tensor_constant0", constant)
+        total = graph.call_function(torch.ops.aten.mul.Tensor, (total, graph.get_attr("_tensor_constant0")))
+    graph.output((total,))
+    return graph, holder
+
+
+def test_the_key_moves_with_what_decides_the_kernels() -> None:
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    options = {"fallback_random": True, "cpp_wrapper": False}
+    base = unit_cache.key(*_unit(), [x, y], options)
+    assert base is not None and base == unit_cache.key(*_unit(), [x.clone(), y.clone()], options), "values do not count"
+    assert unit_cache.key(*_unit(alpha=2.0), [x, y], options) != base, "an argument"
+    assert unit_cache.key(*_unit(alpha=1), [x, y], options) != base, "1 is not 1.0"
+    assert unit_cache.key(*_unit(), [x.t().contiguous().t(), y], options) != base, "a stride"
+    assert unit_cache.key(*_unit(), [x, y.double()], options) != base, "a dtype"
+    assert unit_cache.key(*_unit(), [x, x], options) != unit_cache.key(*_unit(), [x, x.clone()], options), "aliasing"
+    assert unit_cache.key(*_unit(), [x, y], {**options, "cpp_wrapper": True}) != base, "an option"
+    with torch._inductor.config.patch(max_fusion_size=7):
+        assert unit_cache.key(*_unit(), [x, y], options) != base, "inductor's configuration"
+    one, two = torch.ones(6), torch.full((6,), 2.0)
+    assert unit_cache.key(*_unit(one), [x, y], options) == unit_cache.key(*_unit(one.clone()), [x, y], options)
+    assert unit_cache.key(*_unit(one), [x, y], options) != unit_cache.key(*_unit(two), [x, y], options), "a constant"
+
+
+def test_what_the_key_cannot_describe_is_not_indexed() -> None:
+    graph, holder = _unit()
+    x = torch.randn(3)
+    (add,) = [n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    add.kwargs = {"alpha": object()}
+    assert unit_cache.key(graph, holder, [x, x], {}) is None
+    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
+        assert unit_cache.key(*_unit(), [x, x], {}) is None
