@@ -233,8 +233,7 @@ class InductorSegment:
         _await_warm_up()
         unit_key = None
         if unit_cache.enabled():
-            graph, constants = self._graph()
-            unit_key = unit_cache.key(graph, constants, example_inputs, _options())
+            unit_key = unit_cache.key(self._graph()[0], example_inputs, _options())
             self.compiled = unit_cache.load(unit_key) if unit_key is not None else None
             self.loaded = self.compiled is not None
         if self.compiled is None:

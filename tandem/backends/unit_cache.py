@@ -5,12 +5,14 @@ Inductor's own caches already make a warm compile skip code generation, but to f
 ``standalone_compile`` copies the unit's graph, generates its Python code and pickles it for AOT
 autograd's cache key: 2-3 s of lstm_lm's warm start, growing with the graph. This index keys a unit
 by what decides its kernels, cheaply: the graph inductor is given (each node's op, target and
-arguments, tensor constants by value), the example inputs' shapes, strides, storage offsets, dtypes,
+arguments), the example inputs' shapes, strides, storage offsets, dtypes,
 devices and aliasing, the options tandem passes, inductor's and AOT autograd's configuration, the
 vector instruction set inductor picked on a CPU, and torch's version. An entry holds only the
 name of the AOT autograd cache entry inductor stored for that unit; a hit loads that entry as
 ``torch._inductor.CompiledArtifact.load`` does. A miss, an entry inductor no longer has, or any
-failure while loading compiles the unit as before (and records it).
+failure while loading compiles the unit as before (and records it). A unit holding a tensor
+constant the model made is not indexed: inductor passes such constants to the compiled code as
+inputs, from the graph module a loaded entry does not have.
 
 **Where**: ``tandem_units/`` under inductor's cache directory, beside the capture cache and
 inductor's entries it names: emptying that directory empties all of them. ``TANDEM_UNIT_CACHE=0``
@@ -56,16 +58,17 @@ class _Uncacheable(Exception):
     """Something in the unit the key cannot describe faithfully: compile, do not index."""
 
 
-def key(graph: fx.Graph, constants: torch.nn.Module, example_inputs: Sequence[Any], options: dict[str, Any]) -> str | None:
-    """The index key of compiling ``graph`` (its ``get_attr`` tensors held by ``constants``) for
-    ``example_inputs`` with inductor ``options``; None where something cannot be described."""
+def key(graph: fx.Graph, example_inputs: Sequence[Any], options: dict[str, Any]) -> str | None:
+    """The index key of compiling ``graph`` for ``example_inputs`` with inductor ``options``; None
+    where something cannot be described or loaded (a tensor constant: a ``get_attr`` node)."""
     try:
         digest = hashlib.sha256(f"tandem unit {FORMAT}".encode())
         position: dict[fx.Node, int] = {}
         for node in graph.nodes:
             position[node] = len(position)
-            target = getattr(constants, node.target) if node.op == "get_attr" else node.target
-            entry = (node.op, _describe(target, position), _describe(node.args, position),
+            if node.op == "get_attr":  # inductor passes these as inputs its cache entry does not hold
+                raise _Uncacheable("it holds a tensor constant")
+            entry = (node.op, _describe(node.target, position), _describe(node.args, position),
                      _describe(node.kwargs, position), bool(node.meta.get("steal_arg")))
             digest.update(repr(entry).encode())
         digest.update(repr(_inputs(example_inputs)).encode())
@@ -91,10 +94,6 @@ def _describe(value: Any, position: dict[fx.Node, int]) -> Any:
         return ("dict", sorted((str(k), _describe(v, position)) for k, v in value.items()))
     if isinstance(value, slice):
         return ("slice", _describe((value.start, value.stop, value.step), position))
-    if isinstance(value, torch.Tensor):  # a constant the model made: by value
-        flat = value.detach().cpu().reshape(-1).contiguous()
-        data = hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
-        return ("tensor", tuple(value.shape), str(value.dtype), str(value.device), data)
     if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
         return ("op", str(value))
     name = getattr(value, "__qualname__", None)

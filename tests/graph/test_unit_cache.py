@@ -51,6 +51,33 @@ def test_a_later_compile_loads_every_unit_and_computes_the_same(index_dir: Path)
     assert_same_step(second_results[1], *eager_step(reference, loss_fn, batch, seed=1), rtol=RTOL, atol=ATOL)
 
 
+class _Scaled(torch.nn.Module):
+    """A forward that makes a tensor (``torch.tensor``): its unit holds a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * torch.tensor([0.5, 2.0, 1.0, 1.0, 3.0, 1.0])
+
+
+def test_a_unit_holding_a_tensor_constant_is_compiled_each_time_and_the_rest_load(index_dir: Path) -> None:
+    module, batch = _Scaled(), (torch.randn(4, 6),)
+
+    def loss_fn(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).square().mean()
+
+    reference = twin(module)
+    first, _ = _compiled(twin(module), loss_fn, batch)
+    holding = [s for s in first.executor.segments if any(n.op == "get_attr" for n in s.function._graph()[0].nodes)]
+    assert holding and len(holding) < len(first.executor.segments), "the forward holds the constant"
+    second, results = _compiled(module, loss_fn, batch)
+    assert second.compile_report()["units_loaded"] == len(first.executor.segments) - len(holding)
+    torch.manual_seed(1)
+    assert_same_step(results[1], *eager_step(reference, loss_fn, batch, seed=1), rtol=RTOL, atol=ATOL)
+
+
 def test_damaged_untrusted_or_stale_entries_compile_again(index_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     module, loss_fn, batch = zoo_case("mlp", torch.float32)
     expected = eager_step(twin(module), loss_fn, batch)
@@ -74,41 +101,39 @@ def test_damaged_untrusted_or_stale_entries_compile_again(index_dir: Path, caplo
 # -- the key (no compiling) -----------------------------------------------------------------------
 
 
-def _unit(constant: torch.Tensor | None = None, alpha: float = 1.0) -> tuple[fx.Graph, torch.nn.Module]:
+def _unit(alpha: float = 1.0, constant: torch.Tensor | None = None) -> fx.Graph:
     graph, holder = fx.Graph(), torch.nn.Module()
     inputs = graph.placeholder("inputs")
     x, y = (graph.call_function(operator.getitem, (inputs, k)) for k in range(2))
     total = graph.call_function(torch.ops.aten.add.Tensor, (x, y), {"alpha": alpha})
-    if constant is not None:
+    if constant is not None:  # as InductorSegment writes a tensor the model made
         holder.register_buffer("_tensor_constant0", constant)
         total = graph.call_function(torch.ops.aten.mul.Tensor, (total, graph.get_attr("_tensor_constant0")))
     graph.output((total,))
-    return graph, holder
+    return graph
 
 
 def test_the_key_moves_with_what_decides_the_kernels() -> None:
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     options = {"fallback_random": True, "cpp_wrapper": False}
-    base = unit_cache.key(*_unit(), [x, y], options)
-    assert base is not None and base == unit_cache.key(*_unit(), [x.clone(), y.clone()], options), "values do not count"
-    assert unit_cache.key(*_unit(alpha=2.0), [x, y], options) != base, "an argument"
-    assert unit_cache.key(*_unit(alpha=1), [x, y], options) != base, "1 is not 1.0"
-    assert unit_cache.key(*_unit(), [x.t().contiguous().t(), y], options) != base, "a stride"
-    assert unit_cache.key(*_unit(), [x, y.double()], options) != base, "a dtype"
-    assert unit_cache.key(*_unit(), [x, x], options) != unit_cache.key(*_unit(), [x, x.clone()], options), "aliasing"
-    assert unit_cache.key(*_unit(), [x, y], {**options, "cpp_wrapper": True}) != base, "an option"
+    base = unit_cache.key(_unit(), [x, y], options)
+    assert base is not None and base == unit_cache.key(_unit(), [x.clone(), y.clone()], options), "values do not count"
+    assert unit_cache.key(_unit(alpha=2.0), [x, y], options) != base, "an argument"
+    assert unit_cache.key(_unit(alpha=1), [x, y], options) != base, "1 is not 1.0"
+    assert unit_cache.key(_unit(), [x.t().contiguous().t(), y], options) != base, "a stride"
+    assert unit_cache.key(_unit(), [x, y.double()], options) != base, "a dtype"
+    assert unit_cache.key(_unit(), [x, x], options) != unit_cache.key(_unit(), [x, x.clone()], options), "aliasing"
+    assert unit_cache.key(_unit(), [x, y], {**options, "cpp_wrapper": True}) != base, "an option"
     with torch._inductor.config.patch(max_fusion_size=7):
-        assert unit_cache.key(*_unit(), [x, y], options) != base, "inductor's configuration"
-    one, two = torch.ones(6), torch.full((6,), 2.0)
-    assert unit_cache.key(*_unit(one), [x, y], options) == unit_cache.key(*_unit(one.clone()), [x, y], options)
-    assert unit_cache.key(*_unit(one), [x, y], options) != unit_cache.key(*_unit(two), [x, y], options), "a constant"
+        assert unit_cache.key(_unit(), [x, y], options) != base, "inductor's configuration"
 
 
-def test_what_the_key_cannot_describe_is_not_indexed() -> None:
-    graph, holder = _unit()
+def test_what_the_key_cannot_describe_or_load_is_not_indexed() -> None:
     x = torch.randn(3)
+    graph = _unit()
     (add,) = [n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor]
     add.kwargs = {"alpha": object()}
-    assert unit_cache.key(graph, holder, [x, x], {}) is None
+    assert unit_cache.key(graph, [x, x], {}) is None, "an argument without a stable description"
     with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
-        assert unit_cache.key(*_unit(), [x, x], {}) is None
+        assert unit_cache.key(_unit(), [x, x], {}) is None, "a custom pass"
+    assert unit_cache.key(_unit(constant=torch.ones(3)), [x, x], {}) is None, "a tensor constant"
