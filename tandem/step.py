@@ -23,7 +23,7 @@ from tandem.errors import BatchMismatchError
 from tandem.executor import NO_HOOKS, Executor, GradientHook, MemoryStats, SegmentHook, StepHooks
 from tandem.graph.batch import BatchLayout
 from tandem.graph.capture import LossFn, capture, capture_inference
-from tandem.graph.train_graph import StateReader, TrainGraph
+from tandem.graph.train_graph import StateReader, TrainGraph, resolved
 from tandem.passes.config import PlanConfig
 from tandem.passes.manager import plan as plan_graph
 from tandem.progress import progress_options
@@ -208,7 +208,7 @@ class TrainStep:
             "allocator_peak_bytes": memory.allocator_peak_bytes,
             "num_nodes": len(graph.op_nodes()),
             "num_segments": len(compiled.executor.segments),
-            **graph.notes.get("memory", {}),
+            **resolved(graph.notes.get("memory", {})),
         }
 
     def compile_report(self) -> dict[str, Any]:

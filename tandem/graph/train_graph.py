@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +150,25 @@ class TrainGraph:
             f"{len(self.input_specs)} inputs, {len(ops)} op nodes ({len(ops) - backward} forward, "
             f"{backward} backward)"
         )
+
+
+class Deferred:
+    """A note computed when first read (``resolved``): planning does not pay for an estimate that
+    only a report shows."""
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute: Callable[[], Any] | None = compute
+        self._value: Any = None
+
+    def get(self) -> Any:
+        if self._compute is not None:
+            self._value, self._compute = self._compute(), None  # what it held (a graph view) is released
+        return self._value
+
+
+def resolved(notes: dict[str, Any]) -> dict[str, Any]:
+    """``notes`` with every Deferred value computed."""
+    return {key: value.get() if isinstance(value, Deferred) else value for key, value in notes.items()}
 
 
 def node_value(node: fx.Node) -> Any:

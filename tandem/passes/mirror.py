@@ -12,7 +12,8 @@ Policies (see docs/mirroring.md):
 
 The pass only plans. Recompute copies are backward nodes placed just before their first reader,
 marked ``MetaKey.RECOMPUTE_OF``; the executor then measures the real peak. What was decided goes
-to ``graph.notes["memory"]`` (and from there into ``TrainStep.memory_report()``).
+to ``graph.notes["memory"]`` (and from there into ``TrainStep.memory_report()``; the estimate
+under every policy, ``saved_bytes_by_policy``, is computed there, when first read).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from tandem.graph.train_graph import TrainGraph
+from tandem.graph.train_graph import Deferred, TrainGraph
 from tandem.passes import mirror_select as select
 from tandem.passes.config import MirrorPolicy, PlanConfig
 from tandem.passes.mirror_graph import ForwardView
@@ -76,7 +77,7 @@ def mirror_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
         recompute_flops=plan.recompute_flops,
         mirrored=len(plan.mirrored),
         estimated_peak_bytes=plan.memory.peak_bytes,
-        saved_bytes_by_policy=_saved_by_policy(view),
+        saved_bytes_by_policy=Deferred(lambda: _saved_by_policy(view)),  # runs every policy: only on request
     )
     plan.graph.notes["memory"] = {**plan.graph.notes.get("memory", {}), **notes}
     return plan.graph
