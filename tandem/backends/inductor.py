@@ -95,8 +95,9 @@ def _candidate_instruction_sets(cpu_vec_isa: Any) -> list[Any]:
     return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
 
 
-def _standalone_compile(name: str, graph_module: Callable[[], fx.GraphModule], example_inputs: list[Any]) -> Any:
-    """inductor's compiled function for ``graph_module()``; with TANDEM_INDUCTOR_CPP_WRAPPER, its C++ wrapper.
+def _standalone_compile(name: str, graph_module: Callable[[], fx.GraphModule], example_inputs: list[Any]) -> tuple[Any, bool]:
+    """inductor's compiled function for ``graph_module()``, and whether it is the first choice (not
+    the fallback below); with TANDEM_INDUCTOR_CPP_WRAPPER, its C++ wrapper.
 
     inductor's default wrapper is Python calling each kernel, and a CPU kernel holds the GIL while it
     runs: another thread of the process (a kvstore's scheduler or sender) waits for a kernel to end,
@@ -110,11 +111,12 @@ def _standalone_compile(name: str, graph_module: Callable[[], fx.GraphModule], e
 
     if _options()["cpp_wrapper"]:
         try:
-            return compile_with({**OPTIONS, "cpp_wrapper": True})
+            return compile_with({**OPTIONS, "cpp_wrapper": True}), True
         except Exception as error:  # the Python wrapper compiles what the C++ one cannot
             warnings.warn(f"tandem: inductor's C++ wrapper failed for segment {name} ({_first_line(error)}); "
                           "that segment uses its Python wrapper", RuntimeWarning, stacklevel=3)
-    return compile_with(OPTIONS)
+            return compile_with(OPTIONS), False
+    return compile_with(OPTIONS), True
 
 
 def _options() -> dict[str, Any]:
@@ -231,24 +233,32 @@ class InductorSegment:
         inputs' shapes, strides and dtypes (and index them); on failure fall back to aten."""
         start = time.perf_counter()
         _await_warm_up()
-        unit_key = None
-        if unit_cache.enabled():
-            unit_key = unit_cache.key(self._graph()[0], example_inputs, _options())
-            self.compiled = unit_cache.load(unit_key) if unit_key is not None else None
-            self.loaded = self.compiled is not None
+        unit_key = self._unit_key(example_inputs)
+        self.compiled = unit_cache.load(unit_key) if unit_key is not None else None
+        self.loaded = self.compiled is not None
         if self.compiled is None:
             try:
                 # standalone_compile traces under a fake mode with a shape environment, which inductor's
                 # FX graph cache and AOTAutograd cache need: torch._inductor.compile bypasses both
-                artifact = _standalone_compile(self.name, self.graph_module, example_inputs)
-                self.compiled = artifact
-                if unit_key is not None:
-                    unit_cache.store(unit_key, artifact)
+                artifact, first_choice = _standalone_compile(self.name, self.graph_module, example_inputs)
             except Exception as error:  # any compiler failure: this segment runs its exact aten code
                 self.fallback_reason = f"{_failing_op(self.nodes, error)}: {_first_line(error)}"
                 warnings.warn(f"tandem: inductor could not compile segment {self.name} ({self.fallback_reason}); "
                               "that segment runs its aten code instead", RuntimeWarning, stacklevel=2)
+            else:
+                self.compiled = artifact
+                if unit_key is not None and first_choice:  # a fallback's failure may not recur: not remembered
+                    unit_cache.store(unit_key, artifact)
         self.compile_seconds = time.perf_counter() - start
+
+    def _unit_key(self, example_inputs: list[Any]) -> str | None:
+        """This unit's key in the unit index; None where the index is off or cannot key it. Never raises."""
+        try:
+            return unit_cache.key(self._graph()[0], example_inputs, _options()) if unit_cache.enabled() else None
+        except Exception as error:  # the index is an optimisation: compile as before
+            warnings.warn(f"tandem: segment {self.name} is not looked up in the unit index ({_first_line(error)})",
+                          RuntimeWarning, stacklevel=3)
+            return None
 
     def graph_module(self) -> fx.GraphModule:
         """The segment as ``forward(inputs: list) -> tuple``; the list is handed over (``steal_arg``)."""

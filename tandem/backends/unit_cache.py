@@ -21,6 +21,7 @@ turns the index off; so does inductor's ``fx_graph_cache=False`` (tests that mus
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import platform
@@ -60,7 +61,7 @@ class _Uncacheable(Exception):
 
 def key(graph: fx.Graph, example_inputs: Sequence[Any], options: dict[str, Any]) -> str | None:
     """The index key of compiling ``graph`` for ``example_inputs`` with inductor ``options``; None
-    where something cannot be described or loaded (a tensor constant: a ``get_attr`` node)."""
+    where something cannot be described or loaded (a tensor constant: a ``get_attr`` node). Never raises."""
     try:
         digest = hashlib.sha256(f"tandem unit {FORMAT}".encode())
         position: dict[fx.Node, int] = {}
@@ -74,8 +75,8 @@ def key(graph: fx.Graph, example_inputs: Sequence[Any], options: dict[str, Any])
         digest.update(repr(_inputs(example_inputs)).encode())
         digest.update(repr(_environment(options, example_inputs)).encode())
         return digest.hexdigest()
-    except _Uncacheable as error:
-        log.info("tandem: a unit is not indexed: %s", error)
+    except Exception as error:  # _Uncacheable, or an input the key cannot read (a sparse tensor): compile as before
+        log.info("tandem: a unit is not indexed: %s: %s", type(error).__name__, error)
         return None
 
 
@@ -118,25 +119,56 @@ def _inputs(example_inputs: Sequence[Any]) -> list[Any]:
     return described
 
 
+# inductor settings that hold code (passes, partitioners): a unit compiled under any of them is not indexed
+_CUSTOM_CODE = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass", "custom_partitioner_fn",
+                "joint_custom_pre_pass", "joint_custom_post_pass", "pre_grad_custom_pass",
+                "_pre_fusion_custom_pass", "_post_fusion_custom_pass")
+
+
 def _environment(options: dict[str, Any], example_inputs: Sequence[Any]) -> tuple[Any, ...]:
-    """Everything outside the graph and its inputs that changes the kernels inductor writes."""
+    """Everything outside the graph and its inputs that changes the kernels inductor writes: what
+    inductor's and AOT autograd's own keys read from the process, for tandem's static-shape units."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
+    from torch._inductor.codegen.common import custom_backend_codegen_configs, custom_backend_passes
 
-    # all of it, custom passes included (the portable subset leaves them out); the trace switches only add misses
+    from tandem.graph.capture_cache import torch_state
+
+    if any(getattr(inductor_config, name, None) for name in _CUSTOM_CODE) or any(custom_backend_passes.values()) \
+            or any(custom_backend_codegen_configs.values()):
+        raise _Uncacheable("inductor's configuration holds a custom pass")
+    # all of it (the portable subset leaves some out); the trace switches only add misses
     configuration = repr((sorted(options.items()), sorted(inductor_config.get_config_copy().items()),
-                          sorted(functorch_config.get_config_copy().items()), torch.is_grad_enabled()))
-    if " at 0x" in configuration:  # a function or object without a stable description: a custom pass
+                          sorted(functorch_config.get_config_copy().items()), torch.compiler.config.cache_key_tag))
+    if " at 0x" in configuration:  # a function or object without a stable description
         raise _Uncacheable("inductor's configuration holds an object without a stable description")
+    cuda = torch.backends.cuda.matmul
+    process = (torch_state(), torch.is_deterministic_algorithms_warn_only_enabled(),
+               getattr(torch.utils.deterministic, "fill_uninitialized_memory", None), torch.get_float32_matmul_precision(),
+               cuda.allow_tf32, cuda.allow_fp16_reduced_precision_reduction, cuda.allow_bf16_reduced_precision_reduction)
     devices = {value.device for value in example_inputs if isinstance(value, torch.Tensor)}
-    machine: list[str] = [platform.machine()]
-    if any(device.type == "cpu" for device in devices):
+    machine: list[str] = [platform.machine(), _tandem_source()]
+    if not devices or any(device.type == "cpu" for device in devices):
         from torch._inductor import cpu_vec_isa
+        from torch._inductor.utils import parallel_num_threads
 
-        machine.append(str(cpu_vec_isa.pick_vec_isa()))  # kernels are written for it
-    for device in sorted((d for d in devices if d.type == "cuda"), key=str):
+        # kernels are written for this instruction set and this many threads (OpenMP's count, buffers)
+        machine += [str(cpu_vec_isa.pick_vec_isa()), str(parallel_num_threads())]
+    cuda_devices = sorted((d for d in devices if d.type == "cuda"), key=str)
+    if cuda_devices:
+        import triton  # type: ignore[import-not-found,unused-ignore]
+
+        machine.append(f"triton {triton.__version__}")
+    for device in cuda_devices:
         machine.append(f"{torch.cuda.get_device_name(device)} {torch.cuda.get_device_capability(device)}")
-    return (torch.__version__, torch.version.git_version, configuration, machine)
+    return (torch.__version__, torch.version.git_version, configuration, process, machine)
+
+
+@functools.cache
+def _tandem_source() -> str:
+    """The code that builds a unit's graph and runs a loaded one: an entry written by other code is not used."""
+    here = Path(__file__).resolve().parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in ("inductor.py", "unit_cache.py"))).hexdigest()
 
 
 def load(unit_key: str) -> CompiledUnit | None:
@@ -174,17 +206,19 @@ def _load_aot_entry(aot_key: str) -> Callable[[list[Any]], Sequence[Any]] | None
     from torch._inductor.cudagraph_utils import BoxedDeviceIndex
     from torch._inductor.utils import BoxedBool
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.compiler._cache import CacheArtifactManager
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    with torch._inductor.config.patch(unsafe_skip_cache_dynamic_shape_guards=True), \
-            torch._functorch.config.patch(strict_autograd_cache=True):
-        found = AOTAutogradCache._lookup(aot_key, local=True, remote=False, args=[], cache_info={}, aot_config=None)
-    if found is None:
-        return None
-    entry, _ = found
-    fx_config = _CompileFxKwargs(cudagraphs=BoxedBool(False), boxed_forward_device_index=BoxedDeviceIndex(0))
-    with torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
-        return entry.wrap_post_compile([], entry.sanitized_aot_config, fx_config)
+    # with_fresh_cache: inductor would otherwise keep each loaded entry's bytes for the process's life
+    with CacheArtifactManager.with_fresh_cache(), torch._inductor.config.patch(unsafe_skip_cache_dynamic_shape_guards=True):
+        with torch._functorch.config.patch(strict_autograd_cache=True):
+            found = AOTAutogradCache._lookup(aot_key, local=True, remote=False, args=[], cache_info={}, aot_config=None)
+        if found is None:
+            return None
+        entry, _ = found
+        fx_config = _CompileFxKwargs(cudagraphs=BoxedBool(False), boxed_forward_device_index=BoxedDeviceIndex(0))
+        with torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+            return entry.wrap_post_compile([], entry.sanitized_aot_config, fx_config)
 
 
 def store(unit_key: str, artifact: Any) -> bool:

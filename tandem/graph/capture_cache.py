@@ -101,7 +101,7 @@ def _has_hooks(roots: list[nn.Module]) -> bool:
                                     for name in _HOOK_DICTS)
 
 
-def _torch_state() -> tuple[Any, ...]:
+def torch_state() -> tuple[Any, ...]:
     """Global switches that change which aten ops a trace records."""
     backends = torch.backends
     return (torch.get_default_dtype(), torch.get_default_device(), torch.is_grad_enabled(),
@@ -130,7 +130,7 @@ class _Key:
             self.hash.update(b"\0")
 
     def digest(self, loss_fn: Callable[..., Any], layout: BatchLayout, options: dict[str, Any]) -> str:
-        self.add(FORMAT, torch.__version__, sys.version_info[:3], sorted(options.items()), _torch_state())
+        self.add(FORMAT, torch.__version__, sys.version_info[:3], sorted(options.items()), torch_state())
         self.add(str(layout.tree), str(layout))
         classes = [cls for root in self.roots for cls in _classes(root)]
         defining = [*classes, type(loss_fn), *([loss_fn] if isinstance(loss_fn, types.FunctionType) else [])]

@@ -160,6 +160,9 @@ class Deferred:
         self._compute: Callable[[], Any] | None = compute
         self._value: Any = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Deferred:
+        return self  # a copied graph's notes share it: computed once, and what it reads is not copied
+
     def get(self) -> Any:
         if self._compute is not None:
             self._value, self._compute = self._compute(), None  # what it held (a graph view) is released

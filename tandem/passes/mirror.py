@@ -77,7 +77,9 @@ def mirror_pass(graph: TrainGraph, config: PlanConfig) -> TrainGraph:
         recompute_flops=plan.recompute_flops,
         mirrored=len(plan.mirrored),
         estimated_peak_bytes=plan.memory.peak_bytes,
-        saved_bytes_by_policy=Deferred(lambda: _saved_by_policy(view)),  # runs every policy: only on request
+        # runs every policy's selection: only on request. Until then it keeps the unplanned graph (its nodes and fake
+        # values, no data) alive where mirroring copied it
+        saved_bytes_by_policy=Deferred(lambda: _saved_by_policy(view)),
     )
     plan.graph.notes["memory"] = {**plan.graph.notes.get("memory", {}), **notes}
     return plan.graph

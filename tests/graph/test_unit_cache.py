@@ -4,6 +4,10 @@ with what decides the kernels; a damaged, foreign or stale entry compiles the un
 from __future__ import annotations
 
 import operator
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +128,40 @@ def test_the_key_moves_with_what_decides_the_kernels() -> None:
     assert unit_cache.key(_unit(), [x, y.double()], options) != base, "a dtype"
     assert unit_cache.key(_unit(), [x, x], options) != unit_cache.key(_unit(), [x, x.clone()], options), "aliasing"
     assert unit_cache.key(_unit(), [x, y], {**options, "cpp_wrapper": True}) != base, "an option"
+    assert unit_cache.key(_unit(), [x, torch.randn(25)[1:].view(4, 6)], options) != base, "a storage offset"
+    assert unit_cache.key(_unit(), [x, y.requires_grad_()], options) != base, "requires_grad"
     with torch._inductor.config.patch(max_fusion_size=7):
-        assert unit_cache.key(_unit(), [x, y], options) != base, "inductor's configuration"
+        assert unit_cache.key(_unit(), [x, y.detach()], options) != base, "inductor's configuration"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert unit_cache.key(_unit(), [x, y.detach()], options) != base, "the kernels' thread count"
+    finally:
+        torch.set_num_threads(threads)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # a factory op without a dtype makes float64 now
+    try:
+        assert unit_cache.key(_unit(), [x, y.detach()], options) != base, "the default dtype"
+    finally:
+        torch.set_default_dtype(default)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert unit_cache.key(_unit(), [x, y.detach()], options) != base, "autocast"
+    assert unit_cache.key(_unit(), [x, y.detach()], options) == base
+
+
+def test_the_key_is_the_same_in_another_process() -> None:
+    """Nothing salted per process (string hashes, object ids) reaches the key."""
+    script = textwrap.dedent("""
+        import torch
+        torch.set_num_threads(1)
+        from tests.graph.test_unit_cache import _unit
+        from tandem.backends import unit_cache
+        print(unit_cache.key(_unit(), [torch.zeros(4, 6), torch.zeros(4, 6)], {"fallback_random": True}))
+    """)
+    keys = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120,
+                           cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONHASHSEED": seed}
+                           ).stdout.strip() for seed in ("1", "2")}
+    assert len(keys) == 1 and len(next(iter(keys))) == 64, keys
 
 
 def test_what_the_key_cannot_describe_or_load_is_not_indexed() -> None:
@@ -137,3 +173,4 @@ def test_what_the_key_cannot_describe_or_load_is_not_indexed() -> None:
     with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: None):
         assert unit_cache.key(_unit(), [x, x], {}) is None, "a custom pass"
     assert unit_cache.key(_unit(constant=torch.ones(3)), [x, x], {}) is None, "a tensor constant"
+    assert unit_cache.key(_unit(), [x.to_sparse(), x], {}) is None, "an input it cannot read (no storage)"
