@@ -5,14 +5,15 @@ Inductor's own caches already make a warm compile skip code generation, but to f
 ``standalone_compile`` copies the unit's graph, generates its Python code and pickles it for AOT
 autograd's cache key: 2-3 s of lstm_lm's warm start, growing with the graph. This index keys a unit
 by what decides its kernels, cheaply: the graph inductor is given (each node's op, target and
-arguments), the example inputs' shapes, strides, storage offsets, dtypes,
-devices and aliasing, the options tandem passes, inductor's and AOT autograd's configuration, the
-vector instruction set inductor picked on a CPU, and torch's version. An entry holds only the
-name of the AOT autograd cache entry inductor stored for that unit; a hit loads that entry as
-``torch._inductor.CompiledArtifact.load`` does. A miss, an entry inductor no longer has, or any
-failure while loading compiles the unit as before (and records it). A unit holding a tensor
-constant the model made is not indexed: inductor passes such constants to the compiled code as
-inputs, from the graph module a loaded entry does not have.
+arguments), the example inputs' layouts and aliasing, tandem's options, inductor's and AOT
+autograd's configuration, the process state their keys read, the CPU's instruction set and thread
+count (or the GPU and Triton), torch's version and this backend's code (``_environment``). An entry
+holds only the name of the AOT autograd cache entry inductor stored for that unit; a hit loads
+that entry as ``torch._inductor.CompiledArtifact.load`` does. A miss, an entry inductor no longer
+has, or any failure while keying or loading goes through inductor's lookup as before (and indexes
+the result). Not indexed: a unit holding a tensor constant the model made (inductor passes such
+constants to the compiled code from the graph module, which a loaded entry does not have), one
+compiled under a custom pass, and one whose C++ wrapper fell back to the Python one.
 
 **Where**: ``tandem_units/`` under inductor's cache directory, beside the capture cache and
 inductor's entries it names: emptying that directory empties all of them. ``TANDEM_UNIT_CACHE=0``
@@ -225,7 +226,7 @@ def store(unit_key: str, artifact: Any) -> bool:
     """Index the AOT autograd entry ``standalone_compile`` recorded for ``artifact``; whether it was.
     Never raises."""
     recorded = getattr(artifact, "_artifacts", None)  # (bytes, CacheInfo) of what the compile stored or loaded
-    names = getattr(recorded[1], "aot_autograd_artifacts", []) if isinstance(recorded, tuple) else []
+    names = getattr(recorded[-1], "aot_autograd_artifacts", []) if isinstance(recorded, tuple) and recorded else []
     if len(names) != 1 or not _AOT_KEY.fullmatch(str(names[0])):
         return False
     return cache_files.write(_path(unit_key), str(names[0]).encode("ascii"), OFF_SWITCH)
