@@ -109,14 +109,15 @@ def _standalone_compile(name: str, graph_module: Callable[[], fx.GraphModule], e
         return torch._inductor.standalone_compile(graph_module(), boxed_inputs, dynamic_shapes="from_example_inputs",
                                                   options={"config_patches": patches}, donate_graph_module=True)
 
-    if _options()["cpp_wrapper"]:
-        try:
-            return compile_with({**OPTIONS, "cpp_wrapper": True}), True
-        except Exception as error:  # the Python wrapper compiles what the C++ one cannot
-            warnings.warn(f"tandem: inductor's C++ wrapper failed for segment {name} ({_first_line(error)}); "
-                          "that segment uses its Python wrapper", RuntimeWarning, stacklevel=3)
-            return compile_with(OPTIONS), False
-    return compile_with(OPTIONS), True
+    first_choice = _options()
+    try:
+        return compile_with(first_choice), True
+    except Exception as error:  # the Python wrapper compiles what the C++ one cannot
+        if not first_choice["cpp_wrapper"]:
+            raise
+        warnings.warn(f"tandem: inductor's C++ wrapper failed for segment {name} ({_first_line(error)}); "
+                      "that segment uses its Python wrapper", RuntimeWarning, stacklevel=3)
+        return compile_with({**first_choice, "cpp_wrapper": False}), False
 
 
 def _options() -> dict[str, Any]:
